@@ -1,0 +1,147 @@
+"""The implementations under test, their declared capabilities, and the plug-in contract.
+
+An implementation is a function decorated with ``@implementation(...)``. The decorator
+records what the function can do (an ``Implementation``), registers it by name and hands
+the function back unchanged, so a kernel module stays importable without the suite.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+ALIGNMENTS = ("bottom_right", "top_left")
+DTYPES = ("float64", "float32", "float16", "bfloat16")
+DEVICES = ("cpu", "cuda")
+FRAMEWORKS = ("torch", "numpy")
+
+REGISTRY: dict[str, "Implementation"] = {}
+
+
+class ContractError(ValueError):
+    """A plug-in's declaration or location is malformed."""
+
+
+@dataclass(frozen=True)
+class Implementation:
+    """What one implementation declares it can do; the strategies draw only inside it."""
+
+    name: str
+    fn: Callable
+    causal: tuple[str, ...] = ("bottom_right",)  # alignments it implements; () = no causal
+    dtypes: tuple[str, ...] = ("float32",)
+    devices: tuple[str, ...] = ("cpu",)
+    backward: bool | Callable = False  # torch: autograd; numpy: a callable (see README)
+    gqa: bool = True
+    lse: bool = False
+    framework: str = "torch"
+    blocks: tuple[int, ...] | str | None = None  # None, "any" (every int >= 1) or allowed sizes
+    head_dims: tuple[int, int] = (1, 256)  # inclusive range of D and Dv
+    seq_multiple: int = 1  # Sq and Sk must be multiples of this
+    max_seq: int | None = None
+    equal_lengths: bool = False  # only Sq == Sk
+    masked_rows: bool = True  # a query row that sees no key gives O = 0 (and LSE = -inf)
+    tags: tuple[str, ...] = field(default=())  # extra pytest markers, e.g. "interpreter"
+
+    def causal_arg(self, alignment: str | None):
+        """The value passed as ``causal=``: a bool, or the alignment when it has several."""
+        if alignment is None:
+            return False
+        return True if len(self.causal) == 1 else alignment
+
+    @property
+    def has_backward(self) -> bool:
+        return bool(self.backward)
+
+
+def _as_tuple(value, what: str, allowed: tuple[str, ...], name: str) -> tuple[str, ...]:
+    values = (value,) if isinstance(value, str) else tuple(value)
+    bad = [v for v in values if v not in allowed]
+    if bad:
+        raise ContractError(f"implementation {name!r}: unknown {what} {bad}; expected some of {allowed}")
+    return values
+
+
+def implementation(*, name: str, causal="bottom_right", dtypes=("float32",), devices=("cpu",),
+                   backward=False, gqa=True, lse=False, framework="torch", blocks=None,
+                   head_dims=(1, 256), seq_multiple=1, max_seq=None, equal_lengths=False,
+                   masked_rows=True, tags=(), register=True):
+    """Declare an attention function to the suite. See README, "Testing your own kernel"."""
+    if not isinstance(name, str) or not name:
+        raise ContractError(f"implementation name must be a non-empty string, got {name!r}")
+    if causal is None or causal is False:
+        alignments: tuple[str, ...] = ()
+    else:
+        alignments = _as_tuple(causal, "causal alignment", ALIGNMENTS, name)
+    dtypes = _as_tuple(dtypes, "dtype", DTYPES, name)
+    devices = _as_tuple(devices, "device", DEVICES, name)
+    if framework not in FRAMEWORKS:
+        raise ContractError(f"implementation {name!r}: framework must be one of {FRAMEWORKS}, got {framework!r}")
+    if framework == "numpy" and backward is True:
+        raise ContractError(f"implementation {name!r}: a numpy implementation declares backward as a "
+                            "callable bwd(q, k, v, o, lse, do, *, causal, scale) -> (dq, dk, dv)")
+    if framework == "numpy" and devices != ("cpu",):
+        raise ContractError(f"implementation {name!r}: numpy implementations run on cpu only")
+    if not (isinstance(blocks, tuple) and all(isinstance(b, int) and b >= 1 for b in blocks) and blocks
+            or blocks in (None, "any")):
+        raise ContractError(f"implementation {name!r}: blocks must be None, 'any' or a tuple of ints >= 1, "
+                            f"got {blocks!r}")
+    lo, hi = head_dims
+    if not 1 <= lo <= hi:
+        raise ContractError(f"implementation {name!r}: head_dims must be (lo, hi) with 1 <= lo <= hi, got {head_dims!r}")
+    if not isinstance(seq_multiple, int) or seq_multiple < 1:
+        raise ContractError(f"implementation {name!r}: seq_multiple must be an int >= 1, got {seq_multiple!r}")
+
+    def decorate(fn: Callable) -> Callable:
+        if not callable(fn):
+            raise ContractError(f"implementation {name!r}: decorated object is not callable")
+        record = Implementation(name=name, fn=fn, causal=alignments, dtypes=dtypes, devices=devices,
+                                backward=backward, gqa=gqa, lse=lse, framework=framework, blocks=blocks,
+                                head_dims=(lo, hi), seq_multiple=seq_multiple, max_seq=max_seq,
+                                equal_lengths=equal_lengths, masked_rows=masked_rows, tags=tuple(tags))
+        fn.__flashcheck__ = record
+        if register:
+            REGISTRY[name] = record
+        return fn
+
+    return decorate
+
+
+def load(spec: str) -> Implementation:
+    """Import ``path/to/file.py:function`` or ``package.module:function`` and return its record."""
+    target, sep, attr = spec.rpartition(":")
+    if not sep or not target or not attr:
+        raise ContractError(f"--impl {spec!r}: expected FILE.py:function or module:function")
+    if target.endswith(".py") or "/" in target:
+        path = Path(target).resolve()
+        if not path.is_file():
+            raise ContractError(f"--impl {spec!r}: no such file {path}")
+        mod_name = f"flashcheck_plugin_{path.stem}_{abs(hash(str(path)))}"
+        module_spec = importlib.util.spec_from_file_location(mod_name, path)
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[mod_name] = module
+        try:
+            module_spec.loader.exec_module(module)
+        except Exception as exc:
+            raise ContractError(f"--impl {spec!r}: importing {path} failed: {type(exc).__name__}: {exc}") from exc
+    else:
+        try:
+            module = importlib.import_module(target)
+        except Exception as exc:
+            raise ContractError(f"--impl {spec!r}: cannot import module {target!r}: {type(exc).__name__}: {exc}") from exc
+    fn = getattr(module, attr, None)
+    if fn is None:
+        raise ContractError(f"--impl {spec!r}: module {target!r} has no attribute {attr!r}")
+    record = getattr(fn, "__flashcheck__", None)
+    if record is None:
+        raise ContractError(f"--impl {spec!r}: {attr!r} is not decorated with @impls.implementation(...)")
+    return record
+
+
+def builtins() -> list[Implementation]:
+    """The built-in implementations whose dependencies import here."""
+    from impls import builtin  # noqa: F401  (registers on import)
+    return [REGISTRY[name] for name in builtin.NAMES if name in REGISTRY]

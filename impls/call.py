@@ -1,0 +1,79 @@
+"""How the suite calls an implementation: case inputs in, float64 NumPy results out."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from impls import Implementation
+
+
+@dataclass
+class Result:
+    o: np.ndarray
+    lse: np.ndarray | None = None
+    dq: np.ndarray | None = None
+    dk: np.ndarray | None = None
+    dv: np.ndarray | None = None
+    dtype: str = ""  # the dtype the implementation returned O in
+
+
+def cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def device_for(impl: Implementation) -> str | None:
+    """CUDA when declared and present, else CPU when declared, else None (cannot run here)."""
+    if "cuda" in impl.devices and cuda_available():
+        return "cuda"
+    return "cpu" if "cpu" in impl.devices else None
+
+
+def kwargs_for(impl: Implementation, case) -> dict:
+    kw = {"causal": impl.causal_arg(case.causal), "scale": case.scale}
+    if impl.blocks is not None:
+        kw.update(block_q=case.block_q, block_k=case.block_k)
+    return kw
+
+
+def _split(impl, out, name):
+    if impl.lse:
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise AssertionError(f"{name} declares lse=True but returned {type(out).__name__}, not (o, lse)")
+        return out
+    return out, None
+
+
+def run(impl: Implementation, case, q, k, v, do=None, *, device=None) -> Result:
+    """Run forward (and backward through dO when given) on float64 arrays holding case.dtype values."""
+    device = device or device_for(impl)
+    kw = kwargs_for(impl, case)
+    if impl.framework == "numpy":
+        qn, kn, vn = (x.astype(case.dtype) for x in (q, k, v))
+        o, lse = _split(impl, impl.fn(qn, kn, vn, **kw), impl.name)
+        res = Result(np.asarray(o, np.float64), None if lse is None else np.asarray(lse, np.float64),
+                     dtype=str(np.asarray(o).dtype))
+        if do is not None:
+            grads = impl.backward(qn, kn, vn, o, lse, do.astype(case.dtype), **kw)
+            res.dq, res.dk, res.dv = (np.asarray(g, np.float64) for g in grads)
+        return res
+
+    import torch
+
+    dt = getattr(torch, case.dtype)
+    qt, kt, vt = (torch.from_numpy(x).to(device=device, dtype=dt).requires_grad_(do is not None)
+                  for x in (q, k, v))
+    o, lse = _split(impl, impl.fn(qt, kt, vt, **kw), impl.name)
+    res = Result(_np(o), None if lse is None else _np(lse), dtype=str(o.dtype).removeprefix("torch."))
+    if do is not None:
+        o.backward(torch.from_numpy(do).to(device=device, dtype=o.dtype))
+        res.dq, res.dk, res.dv = (_np(x.grad) if x.grad is not None else np.zeros(x.shape) for x in (qt, kt, vt))
+    return res
+
+
+def _np(t):
+    return t.detach().to("cpu", dtype=__import__("torch").float64).numpy()

@@ -1,0 +1,56 @@
+"""Input validation shared by every built-in implementation: bad input is named, never computed."""
+from __future__ import annotations
+
+
+def dtype_name(x) -> str:
+    """'float32' for a numpy array or a torch tensor alike."""
+    return str(x.dtype).removeprefix("torch.")
+
+
+def check_inputs(q, k, v, *, dtypes, who: str):
+    """Validate q, k, v against DESIGN.md's layout; return (B, Hq, Hkv, Sq, Sk, D, Dv)."""
+    for label, x in (("q", q), ("k", k), ("v", v)):
+        if getattr(x, "ndim", None) != 4:
+            raise ValueError(f"{who}: {label} must have rank 4 (batch, heads, seq, dim), "
+                             f"got shape {tuple(getattr(x, 'shape', ()))}")
+        if dtype_name(x) not in dtypes:
+            raise TypeError(f"{who}: {label} has unsupported dtype {dtype_name(x)}; supported: {', '.join(dtypes)}")
+    if not (dtype_name(q) == dtype_name(k) == dtype_name(v)):
+        raise TypeError(f"{who}: q, k, v must share one dtype, got {dtype_name(q)}, {dtype_name(k)}, {dtype_name(v)}")
+    (b, hq, sq, d), (bk, hkv, sk, dk), (bv, hv, sv, dv) = q.shape, k.shape, v.shape
+    if not (b == bk == bv):
+        raise ValueError(f"{who}: batch sizes differ: q {b}, k {bk}, v {bv}")
+    if hkv != hv:
+        raise ValueError(f"{who}: k has {hkv} heads but v has {hv}")
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"{who}: query heads ({hq}) must be a multiple of key/value heads ({hkv})")
+    if sk != sv:
+        raise ValueError(f"{who}: k has sequence length {sk} but v has {sv}")
+    if d != dk:
+        raise ValueError(f"{who}: q head dim {d} differs from k head dim {dk}")
+    if min(b, hq, sq, sk, d, dv) < 1:
+        raise ValueError(f"{who}: every dimension must be >= 1, got q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}")
+    return b, hq, hkv, sq, sk, d, dv
+
+
+def check_blocks(block_q, block_k, *, who: str):
+    for label, blk in (("block_q", block_q), ("block_k", block_k)):
+        if not isinstance(blk, int) or isinstance(blk, bool) or blk < 1:
+            raise ValueError(f"{who}: {label} must be an int >= 1, got {blk!r}")
+
+
+def alignment(causal) -> str | None:
+    """Map the ``causal=`` argument (False, True, or an alignment name) to an alignment or None."""
+    if causal is False or causal is None:
+        return None
+    if causal is True:
+        return "bottom_right"
+    if causal in ("bottom_right", "top_left"):
+        return causal
+    raise ValueError(f"causal must be a bool, 'bottom_right' or 'top_left', got {causal!r}")
+
+
+def offset(sq: int, sk: int, align: str | None) -> int:
+    """Query i sees key j iff j <= i + offset (DESIGN.md); None means every key is visible."""
+    return sk - sq if align == "bottom_right" else 0

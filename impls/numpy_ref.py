@@ -1,0 +1,161 @@
+"""NumPy reference: dense attention with its analytic backward, and FlashAttention Algorithm 1.
+
+Arrays are (B, H, S, D). The work is vectorized over batch and heads by viewing q as
+(B, Hkv, G, Sq, D) against k, v as (B, Hkv, 1, Sk, D): each key/value head serves its
+G = Hq // Hkv query heads by broadcasting, and gradients sum over G for free.
+Only tiles are looped over.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from impls import implementation
+from impls.checks import alignment, check_blocks, check_inputs, offset
+
+DTYPES = ("float32", "float64")
+
+
+def _prepare(q, k, v, causal, scale, who):
+    b, hq, hkv, sq, sk, d, dv = check_inputs(q, k, v, dtypes=DTYPES, who=who)
+    align = alignment(causal)
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    g = hq // hkv
+    return (q.reshape(b, hkv, g, sq, d), k[:, :, None], v[:, :, None],
+            align, scale, (b, hq, sq, sk, dv))
+
+
+def visible(sq: int, sk: int, align: str | None, rows=None, cols=None) -> np.ndarray:
+    """Boolean (rows x cols) mask of which keys each query sees."""
+    rows = np.arange(sq) if rows is None else rows
+    cols = np.arange(sk) if cols is None else cols
+    if align is None:
+        return np.ones((len(rows), len(cols)), dtype=bool)
+    return cols[None, :] <= rows[:, None] + offset(sq, sk, align)
+
+
+def _dense_probs(q, k, v, causal, scale, who):
+    qg, kg, vg, align, scale, (b, hq, sq, sk, dv) = _prepare(q, k, v, causal, scale, who)
+    s = scale * (qg.astype(np.float64) @ np.swapaxes(kg.astype(np.float64), -1, -2))
+    s = np.where(visible(sq, sk, align), s, -np.inf)
+    m = s.max(axis=-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)  # a row that sees nothing keeps exp(-inf) = 0
+    e = np.exp(s - m)
+    total = e.sum(axis=-1, keepdims=True)
+    p = np.divide(e, total, out=np.zeros_like(e), where=total > 0)
+    with np.errstate(divide="ignore"):
+        lse = (m + np.log(total))[..., 0]
+    return p, lse, (qg, kg, vg, scale, (b, hq, sq, sk, dv))
+
+
+def dense_forward(q, k, v, *, causal=False, scale=None):
+    """Dense attention computed in float64; returns (O, LSE) in the input dtype."""
+    p, lse, (_, _, vg, _, (b, hq, sq, _, dv)) = _dense_probs(q, k, v, causal, scale, "numpy-dense")
+    o = p @ vg.astype(np.float64)
+    return o.reshape(b, hq, sq, dv).astype(q.dtype), lse.reshape(b, hq, sq).astype(q.dtype)
+
+
+def dense_backward(q, k, v, o, lse, do, *, causal=False, scale=None):
+    """Analytic gradients of sum(O * dO) in float64: dS = P * (dP - rowsum(dO * O))."""
+    p, _, (qg, kg, vg, scale, (b, hq, sq, sk, dv)) = _dense_probs(q, k, v, causal, scale, "numpy-dense")
+    f64 = np.float64
+    dog = do.astype(f64).reshape(qg.shape[:-1] + (dv,))
+    og = p @ vg.astype(f64)
+    dvg = (np.swapaxes(p, -1, -2) @ dog).sum(axis=2)
+    dp = dog @ np.swapaxes(vg.astype(f64), -1, -2)
+    ds = p * (dp - (dog * og).sum(axis=-1, keepdims=True))
+    dq = scale * (ds @ kg.astype(f64))
+    dk = scale * (np.swapaxes(ds, -1, -2) @ qg.astype(f64)).sum(axis=2)
+    return dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dvg.astype(v.dtype)
+
+
+def _tiles(n: int, block: int):
+    return [(start, min(start + block, n)) for start in range(0, n, block)]
+
+
+def _tile_hidden(q0, q1, k0, align, off) -> bool:
+    """True when no query in [q0, q1) sees key k0 or later, so the whole tile can be skipped."""
+    return align is not None and k0 > (q1 - 1) + off
+
+
+def tiled_forward(q, k, v, *, causal=False, scale=None, block_q=16, block_k=16):
+    """FlashAttention Algorithm 1: outer loop over key/value tiles, inner over query tiles.
+
+    Per query row it keeps the running max m, the running sum l of exp(s - m) and the
+    unnormalized output acc; each new tile rescales them by exp(m_old - m_new).
+    """
+    check_blocks(block_q, block_k, who="numpy-tiled")
+    qg, kg, vg, align, scale, (b, hq, sq, sk, dv) = _prepare(q, k, v, causal, scale, "numpy-tiled")
+    dt = q.dtype
+    off = offset(sq, sk, align)
+    m = np.full(qg.shape[:-1], -np.inf, dtype=dt)
+    l = np.zeros(qg.shape[:-1], dtype=dt)
+    acc = np.zeros(qg.shape[:-1] + (dv,), dtype=dt)
+    for k0, k1 in _tiles(sk, block_k):
+        kt, vt = kg[..., k0:k1, :], vg[..., k0:k1, :]
+        for q0, q1 in _tiles(sq, block_q):
+            if _tile_hidden(q0, q1, k0, align, off):
+                continue
+            s = dt.type(scale) * (qg[..., q0:q1, :] @ np.swapaxes(kt, -1, -2))
+            mask = visible(sq, sk, align, np.arange(q0, q1), np.arange(k0, k1))
+            s = np.where(mask, s, -np.inf)
+            m_old = m[..., q0:q1]
+            m_new = np.maximum(m_old, s.max(axis=-1))
+            # Rows that have seen no key yet keep m = -inf; shift them by 0 so exp gives 0, not NaN.
+            shift = np.where(np.isfinite(m_new), m_new, 0).astype(dt)
+            p = np.exp(s - shift[..., None])
+            alpha = np.exp(m_old - shift)  # rescales what earlier tiles summed to the new max
+            l[..., q0:q1] = alpha * l[..., q0:q1] + p.sum(axis=-1)
+            acc[..., q0:q1, :] = alpha[..., None] * acc[..., q0:q1, :] + p @ vt
+            m[..., q0:q1] = m_new
+    seen = l > 0
+    o = np.divide(acc, l[..., None], out=np.zeros_like(acc), where=seen[..., None])
+    with np.errstate(divide="ignore"):
+        lse = np.where(seen, m + np.log(np.where(seen, l, 1)), -np.inf).astype(dt)
+    return o.reshape(b, hq, sq, dv), lse.reshape(b, hq, sq)
+
+
+def tiled_backward(q, k, v, o, lse, do, *, causal=False, scale=None, block_q=16, block_k=16):
+    """FlashAttention backward: P is recomputed tile by tile from the saved LSE.
+
+    D = rowsum(dO * O) replaces the softmax Jacobian's row term, so no Sq x Sk matrix
+    is ever held.
+    """
+    check_blocks(block_q, block_k, who="numpy-tiled")
+    qg, kg, vg, align, scale, (b, hq, sq, sk, dv) = _prepare(q, k, v, causal, scale, "numpy-tiled")
+    dt = q.dtype
+    off = offset(sq, sk, align)
+    dog = do.reshape(qg.shape[:-1] + (dv,)).astype(dt)
+    lseg = lse.reshape(qg.shape[:-1]).astype(dt)
+    delta = (dog * o.reshape(dog.shape).astype(dt)).sum(axis=-1)
+    dq = np.zeros(qg.shape, dtype=dt)
+    dk = np.zeros(k.shape, dtype=dt)
+    dvv = np.zeros(v.shape, dtype=dt)
+    for k0, k1 in _tiles(sk, block_k):
+        kt, vt = kg[..., k0:k1, :], vg[..., k0:k1, :]
+        for q0, q1 in _tiles(sq, block_q):
+            if _tile_hidden(q0, q1, k0, align, off):
+                continue
+            rows = slice(q0, q1)
+            s = dt.type(scale) * (qg[..., rows, :] @ np.swapaxes(kt, -1, -2))
+            mask = visible(sq, sk, align, np.arange(q0, q1), np.arange(k0, k1))
+            # Rows with LSE = -inf saw no key: their P is 0, not exp(-inf + inf).
+            row_lse = lseg[..., rows, None]
+            p = np.where(mask & np.isfinite(row_lse), np.exp(np.where(mask, s, 0) - np.where(np.isfinite(row_lse), row_lse, 0)), 0).astype(dt)
+            dvv[..., k0:k1, :] += (np.swapaxes(p, -1, -2) @ dog[..., rows, :]).sum(axis=2)
+            dp = dog[..., rows, :] @ np.swapaxes(vt, -1, -2)
+            ds = p * (dp - delta[..., rows, None])
+            dq[..., rows, :] += dt.type(scale) * (ds @ kt)
+            dk[..., k0:k1, :] += dt.type(scale) * (np.swapaxes(ds, -1, -2) @ qg[..., rows, :]).sum(axis=2)
+    return dq.reshape(q.shape), dk, dvv
+
+
+def _tiled_bwd_entry(q, k, v, o, lse, do, *, causal=False, scale=None, block_q=16, block_k=16):
+    return tiled_backward(q, k, v, o, lse, do, causal=causal, scale=scale, block_q=block_q, block_k=block_k)
+
+
+implementation(name="numpy-dense", causal=("bottom_right", "top_left"), dtypes=DTYPES, devices=("cpu",),
+               backward=dense_backward, gqa=True, lse=True, framework="numpy")(dense_forward)
+implementation(name="numpy-tiled", causal=("bottom_right", "top_left"), dtypes=DTYPES, devices=("cpu",),
+               backward=_tiled_bwd_entry, gqa=True, lse=True, framework="numpy", blocks="any")(tiled_forward)
