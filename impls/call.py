@@ -16,6 +16,7 @@ class Result:
     dk: np.ndarray | None = None
     dv: np.ndarray | None = None
     dtype: str = ""  # the dtype the implementation returned O in
+    inputs_after: tuple = ()  # q, k, v as the implementation left them
 
 
 def cuda_available() -> bool:
@@ -60,6 +61,7 @@ def run(impl: Implementation, case, q, k, v, do=None, *, device=None) -> Result:
         if do is not None:
             grads = impl.backward(qn, kn, vn, o, lse, do.astype(case.dtype), **kw)
             res.dq, res.dk, res.dv = (np.asarray(g, np.float64) for g in grads)
+        res.inputs_after = tuple(np.asarray(x, np.float64) for x in (qn, kn, vn))
         return res
 
     import torch
@@ -72,6 +74,7 @@ def run(impl: Implementation, case, q, k, v, do=None, *, device=None) -> Result:
     if do is not None:
         o.backward(torch.from_numpy(do).to(device=device, dtype=o.dtype))
         res.dq, res.dk, res.dv = (_np(x.grad) if x.grad is not None else np.zeros(x.shape) for x in (qt, kt, vt))
+    res.inputs_after = tuple(_np(x) for x in (qt, kt, vt))
     return res
 
 

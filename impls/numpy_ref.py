@@ -35,7 +35,7 @@ def visible(sq: int, sk: int, align: str | None, rows=None, cols=None) -> np.nda
     return cols[None, :] <= rows[:, None] + offset(sq, sk, align)
 
 
-def _dense_probs(q, k, v, causal, scale, who):
+def dense_probs(q, k, v, causal, scale, who):
     qg, kg, vg, align, scale, (b, hq, sq, sk, dv) = _prepare(q, k, v, causal, scale, who)
     s = scale * (qg.astype(np.float64) @ np.swapaxes(kg.astype(np.float64), -1, -2))
     s = np.where(visible(sq, sk, align), s, -np.inf)
@@ -51,14 +51,14 @@ def _dense_probs(q, k, v, causal, scale, who):
 
 def dense_forward(q, k, v, *, causal=False, scale=None):
     """Dense attention computed in float64; returns (O, LSE) in the input dtype."""
-    p, lse, (_, _, vg, _, (b, hq, sq, _, dv)) = _dense_probs(q, k, v, causal, scale, "numpy-dense")
+    p, lse, (_, _, vg, _, (b, hq, sq, _, dv)) = dense_probs(q, k, v, causal, scale, "numpy-dense")
     o = p @ vg.astype(np.float64)
     return o.reshape(b, hq, sq, dv).astype(q.dtype), lse.reshape(b, hq, sq).astype(q.dtype)
 
 
 def dense_backward(q, k, v, o, lse, do, *, causal=False, scale=None):
     """Analytic gradients of sum(O * dO) in float64: dS = P * (dP - rowsum(dO * O))."""
-    p, _, (qg, kg, vg, scale, (b, hq, sq, sk, dv)) = _dense_probs(q, k, v, causal, scale, "numpy-dense")
+    p, _, (qg, kg, vg, scale, (b, hq, sq, sk, dv)) = dense_probs(q, k, v, causal, scale, "numpy-dense")
     f64 = np.float64
     dog = do.astype(f64).reshape(qg.shape[:-1] + (dv,))
     og = p @ vg.astype(f64)
@@ -140,9 +140,9 @@ def tiled_backward(q, k, v, o, lse, do, *, causal=False, scale=None, block_q=16,
             rows = slice(q0, q1)
             s = dt.type(scale) * (qg[..., rows, :] @ np.swapaxes(kt, -1, -2))
             mask = visible(sq, sk, align, np.arange(q0, q1), np.arange(k0, k1))
-            # Rows with LSE = -inf saw no key: their P is 0, not exp(-inf + inf).
+            # Rows with LSE = -inf saw no key: shift them by 0 so their P is exp(-inf) = 0, not NaN.
             row_lse = lseg[..., rows, None]
-            p = np.where(mask & np.isfinite(row_lse), np.exp(np.where(mask, s, 0) - np.where(np.isfinite(row_lse), row_lse, 0)), 0).astype(dt)
+            p = np.exp(np.where(mask, s, -np.inf) - np.where(np.isfinite(row_lse), row_lse, 0)).astype(dt)
             dvv[..., k0:k1, :] += (np.swapaxes(p, -1, -2) @ dog[..., rows, :]).sum(axis=2)
             dp = dog[..., rows, :] @ np.swapaxes(vt, -1, -2)
             ds = p * (dp - delta[..., rows, None])

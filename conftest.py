@@ -1,0 +1,67 @@
+"""Wires implementations into the property tests.
+
+Every test that takes an ``impl`` argument runs once per selected implementation:
+the built-ins, or those named by ``--impl`` / FLASHCHECK_IMPL. A test marked
+``@pytest.mark.requires("lse")`` (etc.) is skipped, with the reason, for an
+implementation that does not declare that capability.
+"""
+import os
+
+import pytest
+
+import strategies.profiles  # noqa: F401  (registers and loads the Hypothesis profiles)
+from impls import ContractError, builtins, load
+from impls.call import cuda_available, device_for
+
+CAPABILITIES = {
+    "lse": lambda i: i.lse,
+    "backward": lambda i: i.has_backward,
+    "blocks": lambda i: i.blocks is not None,
+    "masked_rows": lambda i: i.masked_rows and "bottom_right" in i.causal,
+    "masked": lambda i: (i.masked_rows and "bottom_right" in i.causal) or "top_left" in i.causal,
+    "causal": lambda i: bool(i.causal),
+}
+
+
+def pytest_addoption(parser):
+    parser.addoption("--impl", action="append", default=[], metavar="FILE.py:function",
+                     help="test this implementation instead of the built-ins (repeatable; "
+                          "also FLASHCHECK_IMPL, comma-separated)")
+
+
+def pytest_configure(config):
+    specs = config.getoption("--impl") or [s.strip() for s in os.environ.get("FLASHCHECK_IMPL", "").split(",")
+                                           if s.strip()]
+    try:
+        config.flashcheck_impls = [load(s) for s in specs] if specs else builtins()
+    except ContractError as exc:
+        raise pytest.UsageError(str(exc)) from exc
+
+
+def _marks(impl, needs):
+    marks = [getattr(pytest.mark, tag) for tag in impl.tags]
+    if "cpu" not in impl.devices:
+        marks.append(pytest.mark.gpu)
+    if device_for(impl) is None:
+        marks.append(pytest.mark.skip(reason=f"{impl.name} runs on {', '.join(impl.devices)}; none here"))
+    for need in needs:
+        if not CAPABILITIES[need](impl):
+            marks.append(pytest.mark.skip(reason=f"{impl.name} does not declare {need}"))
+    return marks
+
+
+def pytest_generate_tests(metafunc):
+    if "impl" not in metafunc.fixturenames:
+        return
+    needs = [n for m in metafunc.definition.iter_markers("requires") for n in m.args]
+    impls = metafunc.config.flashcheck_impls
+    metafunc.parametrize("impl", [pytest.param(i, id=i.name, marks=_marks(i, needs)) for i in impls])
+
+
+def pytest_collection_modifyitems(config, items):
+    if cuda_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA, which this machine lacks")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,137 @@
+"""The oracle: dense float64 truth and the one tolerance rule every implementation is held to.
+
+Rule (DESIGN.md): for a result X of an implementation run in dtype t,
+
+    max |X - X_true|  <=  k * max |X_dense_t - X_true|  +  floor
+
+where X_true is dense attention in float64 on the same (already dtype-rounded) inputs,
+X_dense_t is plain dense attention computed in t, k = 2 for O and LSE and 3 for
+gradients, and floor = 8 * eps(t) * (1 + L) * M. M is the size of the sum that forms
+X taken in absolute values (e.g. max_i sum_j P_ij |v_j| for O), so the floor is one
+rounding of that sum; L is the largest |logit|, because exp(x) computed from x with a
+relative error eps carries a relative error eps * |x|. The floor lets a correct kernel
+pass where the dense error happens to be zero (Sk = 1) and bounds float64 tightly.
+NaN or inf where the truth is finite always fails; an infinite truth (LSE = -inf of a
+row that sees no key) must be matched exactly.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+
+from impls import numpy_ref
+from strategies.case import EPS, AttentionCase
+
+K = {"o": 2, "lse": 2, "dq": 3, "dk": 3, "dv": 3}
+FLOOR = 8
+
+
+@dataclass(frozen=True)
+class Truth:
+    o: np.ndarray
+    lse: np.ndarray
+    dq: np.ndarray
+    dk: np.ndarray
+    dv: np.ndarray
+    mag: dict  # absolute-value size of each result's defining sum (see module doc)
+    logit_max: float
+
+    def __getitem__(self, name):
+        return getattr(self, name)
+
+
+def _group(case, x):
+    """(B, Hq, ...) -> (B, Hkv, G, ...), the layout in which kv heads broadcast."""
+    return x.reshape((case.batch, case.hkv, case.hq // case.hkv) + x.shape[2:])
+
+
+@functools.lru_cache(maxsize=64)
+def truth(case: AttentionCase) -> Truth:
+    """Dense float64 attention and its analytic gradients on the case's inputs."""
+    q, k, v, do = case.inputs()
+    kw = dict(causal=case.causal or False, scale=case.scale)
+    o, lse = numpy_ref.dense_forward(q, k, v, **kw)
+    dq, dk, dv = numpy_ref.dense_backward(q, k, v, o, lse, do, **kw)
+    # |P|-weighted sums of absolute values bound the rounding of each result's sum.
+    p, _, (qg, kg, vg, sc, _) = numpy_ref.dense_probs(q, k, v, kw["causal"], case.scale, "oracle")
+    s = sc * (qg @ np.swapaxes(kg, -1, -2))
+    dog, og = _group(case, do), _group(case, o)
+    abs_ds = p * (np.abs(dog) @ np.abs(np.swapaxes(vg, -1, -2)) + np.abs((dog * og).sum(-1))[..., None])
+    sc = abs(sc)
+    mag = {
+        "o": (p @ np.abs(vg)).max(initial=0),
+        "lse": np.abs(lse[np.isfinite(lse)]).max(initial=0) + 1,
+        "dv": (np.swapaxes(p, -1, -2) @ np.abs(dog)).sum(2).max(initial=0),
+        "dq": sc * (abs_ds @ np.abs(kg)).max(initial=0),
+        "dk": sc * (np.swapaxes(abs_ds, -1, -2) @ np.abs(qg)).sum(2).max(initial=0),
+    }
+    logit_max = float(np.abs(np.where(case.visible(), s, 0)).max(initial=0))
+    return Truth(o, lse, dq, dk, dv, mag, logit_max)
+
+
+@functools.lru_cache(maxsize=64)
+def dense_in_dtype(case: AttentionCase) -> dict:
+    """Plain dense attention (and autograd gradients) computed in case.dtype by PyTorch on CPU."""
+    import torch
+
+    dt = getattr(torch, case.dtype)
+    q, k, v, do = (torch.from_numpy(x).to(dt).requires_grad_() for x in case.inputs())
+    g = case.hq // case.hkv
+    kk, vv = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    s = (q @ kk.transpose(-1, -2)) * case.effective_scale
+    vis = torch.from_numpy(case.visible())
+    p = torch.softmax(s.masked_fill(~vis, float("-inf")), dim=-1)
+    p = torch.nan_to_num(p, nan=0.0)  # rows that see no key: softmax of all -inf
+    o = p @ vv
+    lse = torch.logsumexp(s.masked_fill(~vis, float("-inf")), dim=-1)
+    o.backward(do.detach())
+    as64 = lambda t: t.detach().to(torch.float64).numpy()  # noqa: E731
+    return {"o": as64(o), "lse": as64(lse), "dq": as64(q.grad), "dk": as64(k.grad), "dv": as64(v.grad)}
+
+
+def _max_err(got, want):
+    with np.errstate(invalid="ignore"):
+        err = np.where(np.isinf(want) & (got == want), 0.0, np.abs(got - want))
+    return float(np.nanmax(err, initial=0.0)) if err.size else 0.0
+
+
+def allowed(case: AttentionCase, name: str) -> tuple[float, float]:
+    """(allowed max error, dense same-dtype error) for result ``name`` of this case."""
+    t = truth(case)
+    dense_err = 0.0 if case.dtype == "float64" else _max_err(dense_in_dtype(case)[name], t[name])
+    floor = FLOOR * EPS[case.dtype] * (1 + t.logit_max) * t.mag[name]
+    return K[name] * dense_err + floor, dense_err
+
+
+def compare(case: AttentionCase, name: str, got: np.ndarray, want: np.ndarray | None = None,
+            budget: float | None = None, who: str = "") -> None:
+    """Assert ``got`` matches the truth (or ``want``) for result ``name`` under the tolerance rule."""
+    want = truth(case)[name] if want is None else want
+    tol, dense_err = allowed(case, name)
+    tol = tol if budget is None else budget
+    label = f"{who} {name}".strip()
+    if got.shape != want.shape:
+        raise AssertionError(f"{label}: expected shape {want.shape}, got {got.shape}\n  case: {case!r}")
+    bad_nonfinite = np.isfinite(want) & ~np.isfinite(got)
+    inf_mismatch = np.isinf(want) & (got != want)
+    if bad_nonfinite.any() or inf_mismatch.any():
+        idx = tuple(int(i) for i in np.argwhere(bad_nonfinite | inf_mismatch)[0])
+        raise AssertionError(f"{label}: non-finite mismatch at {idx}: expected {want[idx]!r}, got {got[idx]!r} "
+                             f"({int((bad_nonfinite | inf_mismatch).sum())} such entries)\n  case: {case!r}")
+    with np.errstate(invalid="ignore"):
+        err = np.where(np.isinf(want), 0.0, np.abs(got - want))
+    worst = float(err.max(initial=0.0))
+    if not worst <= tol:
+        idx = tuple(int(i) for i in np.unravel_index(np.argmax(err), err.shape))
+        raise AssertionError(
+            f"{label}: max error {worst:.3e} exceeds allowed {tol:.3e} at index {idx} "
+            f"(expected {want[idx]!r}, got {got[idx]!r})\n"
+            f"  allowed = {K[name]} x dense {case.dtype} error {dense_err:.3e} + floor; "
+            f"logit max {truth(case).logit_max:.3g}\n  case: {case!r}")
+
+
+def dense64(case: AttentionCase, q, k, v) -> np.ndarray:
+    """Dense float64 output for the case's settings on other inputs (e.g. transformed ones)."""
+    return numpy_ref.dense_forward(q, k, v, causal=case.causal or False, scale=case.scale)[0]

@@ -1,0 +1,87 @@
+"""Forward results match dense float64 attention, and the semantics' edge cases hold exactly."""
+import numpy as np
+import pytest
+from hypothesis import example, given, note
+
+import oracle as orc
+import strategies as fs
+from properties import helpers as ph
+from strategies import AttentionCase as Case
+
+pytestmark = pytest.mark.properties
+
+
+@given(case=fs.cases())
+@example(case=Case())  # one query, one key: the smallest problem there is
+@example(case=Case(sk=2, block_k=1, dtype="float32"))  # two key tiles: the rescale runs once
+@example(case=Case(sq=17, sk=17, d=16, dv=16, block_q=16, block_k=16))  # one past a whole tile
+@example(case=Case(sq=5, sk=9, causal="bottom_right", block_q=2, block_k=4))  # Sq < Sk, bottom-right
+@example(case=Case(sq=9, sk=5, causal="bottom_right", block_q=4, block_k=2))  # Sq > Sk: masked rows
+@example(case=Case(sq=6, sk=6, causal="top_left", block_q=3, block_k=3))  # the diagonal inside a tile
+@example(case=Case(sq=3, sk=4, d=7, scale=0.0))  # scale 0: uniform weights
+@example(case=Case(sq=4, sk=6, d=3, dtype="float32", regime="large"))  # overflow without max subtraction
+@example(case=Case(sq=4, sk=6, d=3, dtype="float32", regime="negative"))  # underflow without max subtraction
+@example(case=Case(hq=4, hkv=2, sq=3, sk=3, d=2))  # GQA
+def test_output_matches_dense_float64(impl, case):
+    case = fs.fit(impl, case)
+    res = ph.forward(impl, case)
+    assert res.dtype == case.dtype, f"{impl.name}: expected output dtype {case.dtype}, got {res.dtype}"
+    orc.compare(case, "o", res.o, who=impl.name)
+
+
+@pytest.mark.requires("lse")
+@given(case=fs.cases())
+@example(case=Case(sk=2, block_k=1))  # two key tiles: the LSE merges across them
+@example(case=Case(sq=3, sk=1, causal="bottom_right"))  # rows 0 and 1 see nothing: LSE = -inf
+@example(case=Case(sq=2, sk=2, d=4, regime="large", dtype="float32"))  # LSE near the overflow point
+def test_lse_is_natural_log_sum_exp_of_scaled_logits(impl, case):
+    case = fs.fit(impl, case)
+    res = ph.forward(impl, case)
+    orc.compare(case, "lse", res.lse, who=impl.name)
+
+
+@pytest.mark.requires("masked_rows")
+@given(case=fs.cases(masked_rows=True))
+@example(case=Case(sq=2, sk=1, causal="bottom_right"))
+def test_rows_that_see_no_key_give_zero_and_minus_inf(impl, case):
+    case = fs.fit(impl, case)
+    rows = ph.masked_rows(case)
+    note(f"masked rows: {rows.tolist()}")
+    res = ph.forward(impl, case)
+    o = res.o[:, :, rows]
+    assert np.all(o == 0), f"{impl.name}: expected O = 0 on rows {rows.tolist()} that see no key, got {o[o != 0][:5]}"
+    if res.lse is not None:
+        lse = res.lse[:, :, rows]
+        assert np.all(lse == -np.inf), f"{impl.name}: expected LSE = -inf on masked rows, got {lse[lse != -np.inf][:5]}"
+    assert np.isfinite(res.o).all(), f"{impl.name}: non-finite output elsewhere"
+
+
+@given(case=fs.cases())
+def test_output_lies_within_the_visible_values(impl, case):
+    """Each output is a convex combination of the values its row sees."""
+    case = fs.fit(impl, case)
+    _, _, v, _ = case.inputs()
+    res = ph.forward(impl, case)
+    vis = case.visible()[None, None, :, :, None]  # (1, 1, Sq, Sk, 1)
+    vv = ph.kv_heads(case, v)[:, :, None]  # (B, Hq, 1, Sk, Dv)
+    lo = np.where(vis, vv, np.inf).min(axis=3)
+    hi = np.where(vis, vv, -np.inf).max(axis=3)
+    seen = case.visible().any(axis=1)[None, None, :, None]
+    lo, hi = np.where(seen, lo, 0), np.where(seen, hi, 0)
+    slack, _ = orc.allowed(case, "o")
+    below, above = lo - slack - res.o, res.o - hi - slack
+    worst = max(below.max(initial=0), above.max(initial=0))
+    assert worst <= 0, f"{impl.name}: output leaves [min, max] of visible values by {worst:.3e} (slack {slack:.3e})"
+
+
+@given(case=fs.cases(regimes=("equal",)))
+@example(case=Case(sq=3, sk=5, causal="bottom_right", regime="equal"))
+def test_uniform_scores_give_the_mean_of_visible_values(impl, case):
+    case = fs.fit(impl, case)
+    _, _, v, _ = case.inputs()
+    vis = case.visible().astype(float)
+    counts = vis.sum(axis=1, keepdims=True)
+    weights = np.divide(vis, counts, out=np.zeros_like(vis), where=counts > 0)
+    want = weights @ ph.kv_heads(case, v)
+    res = ph.forward(impl, case)
+    orc.compare(case, "o", res.o, want=want, who=f"{impl.name} (mean of visible values)")

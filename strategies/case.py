@@ -1,0 +1,136 @@
+"""AttentionCase: one drawn problem, small enough to read and exact enough to replay.
+
+A case holds only plain fields; its tensors are derived from them (``case.inputs()``),
+so the repr Hypothesis prints is the whole reproducer: paste it back and the same
+bits come out.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+REGIMES = ("plain", "large", "negative", "equal", "dominant", "ties", "heavy")
+ALIGNMENTS = (None, "bottom_right", "top_left")
+
+# log of the largest finite value: exp() of a logit above this overflows without max subtraction
+OVERFLOW_LOG = {"float64": 709.78, "float32": 88.72, "bfloat16": 88.72, "float16": 11.09}
+EPS = {"float64": 2.0 ** -52, "float32": 2.0 ** -23, "bfloat16": 2.0 ** -7, "float16": 2.0 ** -10}
+MAX_INPUT = {"float64": 1e150, "float32": 1e30, "bfloat16": 1e30, "float16": 3e4}
+
+
+@dataclass(frozen=True)
+class AttentionCase:
+    batch: int = 1
+    hq: int = 1
+    hkv: int = 1
+    sq: int = 1
+    sk: int = 1
+    d: int = 1
+    dv: int = 1
+    causal: str | None = None  # None, "bottom_right" or "top_left"
+    scale: float | None = None  # None means 1/sqrt(d)
+    dtype: str = "float64"
+    block_q: int = 16
+    block_k: int = 16
+    regime: str = "plain"
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.hkv < 1 or self.hq % self.hkv:
+            raise ValueError(f"hq ({self.hq}) must be a multiple of hkv ({self.hkv})")
+        if self.causal not in ALIGNMENTS:
+            raise ValueError(f"causal must be one of {ALIGNMENTS}, got {self.causal!r}")
+        if self.regime not in REGIMES:
+            raise ValueError(f"regime must be one of {REGIMES}, got {self.regime!r}")
+        if self.dtype not in EPS:
+            raise ValueError(f"dtype must be one of {tuple(EPS)}, got {self.dtype!r}")
+
+    replace = replace
+
+    @property
+    def effective_scale(self) -> float:
+        return 1.0 / math.sqrt(self.d) if self.scale is None else self.scale
+
+    @property
+    def offset(self) -> int:
+        return self.sk - self.sq if self.causal == "bottom_right" else 0
+
+    def visible(self) -> np.ndarray:
+        """(Sq, Sk) boolean: which keys each query row sees."""
+        i, j = np.arange(self.sq)[:, None], np.arange(self.sk)[None, :]
+        return np.ones((self.sq, self.sk), bool) if self.causal is None else j <= i + self.offset
+
+    @property
+    def has_masked_rows(self) -> bool:
+        return self.causal == "bottom_right" and self.sq > self.sk
+
+    @property
+    def has_masked_keys(self) -> bool:
+        return self.causal == "top_left" and self.sk > self.sq
+
+    def inputs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """q, k, v, dO as float64 arrays whose values are exactly representable in self.dtype."""
+        return tuple(x.copy() for x in _inputs(self))
+
+
+def quantize(x: np.ndarray, dtype: str) -> np.ndarray:
+    """Round float64 values to the nearest ``dtype`` value, returned as float64."""
+    if dtype == "float64":
+        return x.astype(np.float64)
+    if dtype in ("float32", "float16"):
+        return x.astype(dtype).astype(np.float64)
+    # bfloat16 = the top 16 bits of a float32, rounded to nearest even
+    bits = x.astype(np.float32).view(np.uint32).astype(np.uint64)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16
+    return bits.astype(np.uint32).view(np.float32).astype(np.float64)
+
+
+def _logits(case, q, k):
+    g = case.hq // case.hkv
+    kk = np.repeat(k, g, axis=1)
+    return case.effective_scale * (q @ np.swapaxes(kk, -1, -2))
+
+
+def _unit(rng, d):
+    u = rng.standard_normal(d)
+    return u / np.linalg.norm(u)
+
+
+@functools.lru_cache(maxsize=256)
+def _inputs(case: AttentionCase):
+    rng = np.random.default_rng(case.seed)
+    b, hq, hkv, sq, sk, d, dv = case.batch, case.hq, case.hkv, case.sq, case.sk, case.d, case.dv
+    q = rng.standard_normal((b, hq, sq, d))
+    k = rng.standard_normal((b, hkv, sk, d))
+    v = rng.standard_normal((b, hkv, sk, dv))
+    do = rng.standard_normal((b, hq, sq, dv))
+    scale, cap = abs(case.effective_scale), MAX_INPUT[case.dtype]
+    # Logit sizes are expressed against the dtype's overflow point, so each regime is
+    # equally hostile in every precision.
+    over = OVERFLOW_LOG[case.dtype]
+    if case.regime == "large" and scale > 0:
+        # the largest |logit| lands 1.5x past where exp() overflows without max subtraction
+        peak = np.abs(_logits(case, q, k)).max()
+        q *= min(1.5 * over / max(peak, 1e-300), cap / np.abs(q).max())
+    elif case.regime == "negative" and scale > 0:
+        # every key shares a direction u that every query opposes: all logits of a row are
+        # about -2x the overflow point, so exp() of each underflows to 0 without max subtraction
+        u = _unit(rng, d)
+        k = u + 0.1 * k
+        q = -min(2 * over / scale, cap) * u + 0.1 * q
+    elif case.regime == "equal":
+        k = np.broadcast_to(k[:, :, :1], k.shape).copy()  # identical keys: uniform scores
+    elif case.regime == "dominant" and scale > 0:
+        # one key per head outscores the rest by a margin near the overflow point
+        u = _unit(rng, d)
+        q = q + 3 * u
+        star = rng.integers(sk)
+        k[:, :, star] = min(0.9 * over / (3 * scale), cap) * u
+    elif case.regime == "ties":
+        k = k[:, :, :1] + 1e-3 * k  # near-identical keys: scores differ in the last bits
+    elif case.regime == "heavy":
+        q, k, v = (np.clip(rng.standard_t(1.5, x.shape), -1e3, 1e3) for x in (q, k, v))
+    return tuple(quantize(x, case.dtype) for x in (q, k, v, do))

@@ -1,0 +1,31 @@
+"""Hypothesis profiles, registered in one place and loaded by conftest.py.
+
+Pick one with ``--hypothesis-profile NAME`` or ``FLASHCHECK_PROFILE=NAME``; ``ci`` loads
+by itself when the CI environment variable is set.
+"""
+import os
+
+from hypothesis import HealthCheck, Phase, settings
+
+# Kernels are slow per example by nature (compiles, interpreters): that is not a test smell.
+_SLOW_OK = [HealthCheck.too_slow, HealthCheck.data_too_large]
+# Explaining a failure re-runs the test many times to annotate lines; shrinking already
+# tells a kernel author what they need, so the fast profiles skip it.
+_NO_EXPLAIN = (Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink)
+
+settings.register_profile("default", max_examples=40, deadline=None, suppress_health_check=_SLOW_OK,
+                          phases=_NO_EXPLAIN)
+settings.register_profile("ci", max_examples=25, derandomize=True, database=None, deadline=None,
+                          suppress_health_check=_SLOW_OK, phases=_NO_EXPLAIN, print_blob=True)
+settings.register_profile("gpu", max_examples=60, deadline=None, suppress_health_check=_SLOW_OK,
+                          phases=_NO_EXPLAIN)
+settings.register_profile("thorough", max_examples=2000, deadline=None, suppress_health_check=_SLOW_OK)
+
+
+def default_profile() -> str:
+    if os.environ.get("FLASHCHECK_PROFILE"):
+        return os.environ["FLASHCHECK_PROFILE"]
+    return "ci" if os.environ.get("CI") else "default"
+
+
+settings.load_profile(default_profile())
