@@ -1,0 +1,244 @@
+"""Fused FlashAttention in Triton: forward, backward (preprocess, dK/dV, dQ) and the autograd glue.
+
+``attention(q, k, v, *, causal=False, scale=None, block_q=None, block_k=None, precision="ieee")``
+
+- q (B, Hq, Sq, D), k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv); GQA/MQA: query head h reads
+  key/value head h // (Hq // Hkv); any D, Dv in 1..256 (padded to a power of two >= 16 with masks);
+  any Sq, Sk >= 1; any scale (None = 1/sqrt(D), 0.0 used as given).
+- causal: False, True (= "bottom_right"), "bottom_right" (query i sees key j iff j <= i + Sk - Sq)
+  or "top_left" (j <= i). A row that sees no key gets O = 0 and LSE = -inf.
+- returns (O in the input dtype, natural-log LSE in float32 of shape (B, Hq, Sq)).
+- float16 / bfloat16 dots run on the tensor cores with float32 accumulation. float32 dots use
+  ``precision``: "ieee" (default: true float32 products, what the registered implementation uses and
+  what the suite's float32 tolerance needs) or "tf32" (tensor cores, ~1e-3 relative error).
+- block_q / block_k (powers of two >= 16) pin the tile sizes of every kernel; None picks the tuned
+  default for the device, dtype and head dim. On a GPU a tile whose shared memory would not fit is
+  halved (largest block first) until it does.
+- deterministic: no atomics; for GQA the dK/dV program loops over the group's query heads.
+
+Runs on CUDA tensors, or on CPU tensors when TRITON_INTERPRET=1 was set before triton was imported
+(then without bfloat16, which the interpreter computes wrongly). ``make_mutant(bug)`` builds a
+deliberately broken variant for mutation testing; the default build compiles the switch away.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+
+from impls import implementation
+from impls.checks import alignment, check_inputs, dtype_name, offset
+from impls import triton_kernels as K
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DTYPES = ("float16", "float32") if INTERPRET else ("float16", "bfloat16", "float32")
+BLOCKS = (16, 32, 64, 128)
+PRECISIONS = ("ieee", "tf32")
+WHO = "triton-fused"
+
+try:  # the name moved between Triton releases
+    from triton.runtime.errors import OutOfResources
+except ImportError:  # pragma: no cover
+    from triton.runtime.autotuner import OutOfResources
+
+
+def _pad(d: int) -> int:
+    return max(16, triton.next_power_of_2(d))
+
+
+# Tuned on an H200 (bench/gpu_bench.py): (BLOCK_M, BLOCK_N, num_warps, num_stages) per padded head dim.
+FWD_CFG = {16: (128, 64, 4, 3), 32: (128, 64, 4, 3), 64: (128, 64, 4, 3), 128: (128, 64, 8, 3),
+           256: (64, 64, 8, 2)}
+# dK/dV: (BLOCK_M query tile, BLOCK_N key tile, warps, stages); dQ: (BLOCK_M, BLOCK_N, warps, stages)
+DKDV_CFG = {16: (32, 128, 4, 3), 32: (32, 128, 4, 3), 64: (32, 128, 4, 3), 128: (32, 128, 8, 3),
+            256: (32, 64, 8, 2)}
+DQ_CFG = {16: (128, 32, 4, 3), 32: (128, 32, 4, 3), 64: (128, 32, 4, 3), 128: (128, 32, 8, 3),
+          256: (64, 32, 8, 2)}
+INTERP_CFG = (32, 32, 4, 1)
+
+
+class _Cfg:
+    """Launch parameters for one call: per kernel (BLOCK_M, BLOCK_N, num_warps, num_stages)."""
+
+    def __init__(self, fwd, dkdv, dq):
+        self.fwd, self.dkdv, self.dq = list(fwd), list(dkdv), list(dq)
+
+
+def _warps(bm, bn, dpad):
+    return 8 if bm * max(bn, dpad) >= 128 * 128 else 4
+
+
+def _config(block_q, block_k, dpad, overrides=None) -> _Cfg:
+    if INTERPRET:
+        base = {n: INTERP_CFG for n in ("fwd", "dkdv", "dq")}
+    else:
+        base = {"fwd": FWD_CFG[dpad], "dkdv": DKDV_CFG[dpad], "dq": DQ_CFG[dpad]}
+    cfg = {}
+    for name, (bm, bn, w, st) in base.items():
+        if block_q is not None or block_k is not None:
+            bm = block_q if block_q is not None else bm
+            bn = block_k if block_k is not None else bn
+            w, st = (4, 1) if INTERPRET else (_warps(bm, bn, dpad), 2)
+        cfg[name] = (bm, bn, w, st)
+    if overrides:
+        cfg.update(overrides)
+    return _Cfg(cfg["fwd"], cfg["dkdv"], cfg["dq"])
+
+
+def _launch(kernel, grid_fn, cfg, *args, **constexprs):
+    """Launch with cfg = [BLOCK_M, BLOCK_N, warps, stages]; on shared-memory overflow halve a block."""
+    while True:
+        bm, bn, w, st = cfg
+        try:
+            kernel[grid_fn(bm, bn)](*args, BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st, **constexprs)
+            return
+        except OutOfResources:
+            if st > 1:
+                cfg[3] = st - 1
+            elif max(bm, bn) > 16:
+                if bm >= bn:
+                    cfg[0] = bm // 2
+                else:
+                    cfg[1] = bn // 2
+            else:
+                raise
+
+
+def _check_device(*tensors):
+    dev = tensors[0].device
+    for t in tensors:
+        if t.device != dev:
+            raise ValueError(f"{WHO}: q, k, v must be on one device, got {[str(x.device) for x in tensors]}")
+    if INTERPRET:
+        if dev.type != "cpu":
+            raise ValueError(f"{WHO}: under TRITON_INTERPRET=1 the kernels run on CPU tensors, got {dev}")
+    elif dev.type != "cuda":
+        raise ValueError(f"{WHO}: needs CUDA tensors (or TRITON_INTERPRET=1 for CPU), got device {dev}")
+
+
+def _last_dim_contiguous(x):
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _forward(q, k, v, align, scale, precision, cfg: _Cfg, bug: int):
+    b, hq, sq, d = q.shape
+    hkv, sk, dv = k.shape[1], k.shape[2], v.shape[3]
+    dpad, dvpad = _pad(d), _pad(dv)
+    o = torch.empty((b, hq, sq, dv), device=q.device, dtype=q.dtype)
+    lse = torch.empty((b, hq, sq), device=q.device, dtype=torch.float32)
+    _launch(K.attn_fwd, lambda bm, bn: (triton.cdiv(sq, bm), b * hq), cfg.fwd,
+            q, k, v, o, lse,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
+            hq, hq // hkv, sq, sk, d, dv, offset(sq, sk, align), scale * K.LOG2E,
+            CAUSAL=align is not None, D_PAD=dpad, DV_PAD=dvpad, PAD_D=dpad != d, PAD_DV=dvpad != dv,
+            DOT_PREC=precision, BUG=bug)
+    return o, lse
+
+
+def _backward(do, q, k, v, o, lse, align, scale, precision, cfg: _Cfg, bug: int):
+    b, hq, sq, d = q.shape
+    hkv, sk, dv = k.shape[1], k.shape[2], v.shape[3]
+    dpad, dvpad = _pad(d), _pad(dv)
+    do = _last_dim_contiguous(do)
+    off = offset(sq, sk, align)
+    delta = torch.empty((b, hq, sq), device=q.device, dtype=torch.float32)
+    pre_bm = 16 if INTERPRET else 64
+    K.attn_bwd_preprocess[(triton.cdiv(sq, pre_bm), b * hq)](
+        o, do, delta, o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
+        hq, sq, dv, BLOCK_M=pre_bm, DV_PAD=dvpad, PAD_DV=dvpad != dv, BUG=bug)
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    dk = torch.empty_like(k, memory_format=torch.contiguous_format)
+    dvv = torch.empty_like(v, memory_format=torch.contiguous_format)
+    common = dict(CAUSAL=align is not None, D_PAD=dpad, DV_PAD=dvpad, PAD_D=dpad != d, PAD_DV=dvpad != dv,
+                  DOT_PREC=precision)
+    _launch(K.attn_bwd_dkdv, lambda bm, bn: (triton.cdiv(sk, bn), b * hkv), cfg.dkdv,
+            q, k, v, do, lse, delta, dk, dvv,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
+            dk.stride(0), dk.stride(1), dk.stride(2), dvv.stride(0), dvv.stride(1), dvv.stride(2),
+            hq, hkv, hq // hkv, sq, sk, d, dv, off, scale * K.LOG2E, scale, **common)
+    _launch(K.attn_bwd_dq, lambda bm, bn: (triton.cdiv(sq, bm), b * hq), cfg.dq,
+            q, k, v, do, lse, delta, dq,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
+            dq.stride(0), dq.stride(1), dq.stride(2),
+            hq, hq // hkv, sq, sk, d, dv, off, scale * K.LOG2E, scale, **common)
+    return dq, dk, dvv
+
+
+class _FlashAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, align, scale, precision, cfg, bug):
+        o, lse = _forward(q, k, v, align, scale, precision, cfg, bug)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.args = (align, scale, precision, cfg, bug)
+        ctx.mark_non_differentiable(lse)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, _dlse):
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = _backward(do, q, k, v, o, lse, *ctx.args)
+        return dq, dk, dv, None, None, None, None, None
+
+
+def flash_attention(q, k, v, *, causal=False, scale=None, block_q=None, block_k=None, precision="ieee",
+                    configs=None, bug: int = 0):
+    """The full entry point. ``configs`` overrides launch parameters per kernel, e.g.
+    ``{"fwd": (128, 64, 8, 3)}`` as (BLOCK_M, BLOCK_N, num_warps, num_stages) (used by the benchmark)."""
+    b, hq, hkv, sq, sk, d, dv = check_inputs(q, k, v, dtypes=DTYPES, who=WHO)
+    if INTERPRET and "bfloat16" in (dtype_name(q),):  # pragma: no cover  (check_inputs already refuses)
+        raise TypeError(f"{WHO}: the Triton interpreter computes bfloat16 wrongly; not supported there")
+    if max(d, dv) > 256:
+        raise ValueError(f"{WHO}: head dims up to 256 are supported, got D={d}, Dv={dv}")
+    _check_device(q, k, v)
+    align = alignment(causal)
+    if precision not in PRECISIONS:
+        raise ValueError(f"{WHO}: precision must be one of {PRECISIONS}, got {precision!r}")
+    for label, blk in (("block_q", block_q), ("block_k", block_k)):
+        if blk is not None and (isinstance(blk, bool) or not isinstance(blk, int) or blk < 16
+                                or blk & (blk - 1) or blk > 256):
+            raise ValueError(f"{WHO}: {label} must be a power of two in 16..256, got {blk!r}")
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    cfg = _config(block_q, block_k, _pad(max(d, dv)), configs)
+    q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+    return _FlashAttention.apply(q, k, v, align, scale, precision, cfg, bug)
+
+
+@implementation(name="triton-fused", causal=("bottom_right", "top_left"), dtypes=DTYPES,
+                devices=("cpu",) if INTERPRET else ("cuda",), backward=True, gqa=True, lse=True,
+                framework="torch", blocks=BLOCKS, head_dims=(1, 256),
+                tags=("interpreter",) if INTERPRET else ())
+def attention(q, k, v, *, causal=False, scale=None, block_q=None, block_k=None, precision="ieee"):
+    """Fused FlashAttention; returns (O, LSE). float32 dots are IEEE unless precision="tf32"."""
+    return flash_attention(q, k, v, causal=causal, scale=scale, block_q=block_q, block_k=block_k,
+                           precision=precision)
+
+
+MUTANTS = ("no_rescale", "lse_base2", "drop_partial_tile", "bwd_no_delta")
+
+
+def make_mutant(bug: str):
+    """A deliberately broken ``attention`` (same signature, same declared capabilities, not registered).
+
+    no_rescale: the online-softmax rescale of the accumulator is skipped;
+    lse_base2: LSE is returned in base 2; drop_partial_tile: the last partial key tile is ignored;
+    bwd_no_delta: the backward drops the rowsum(dO * O) term.
+    """
+    if bug not in MUTANTS:
+        raise ValueError(f"unknown mutant {bug!r}; expected one of {MUTANTS}")
+    code = K.BUGS[bug]
+
+    @implementation(name=f"triton-fused-mutant-{bug}", causal=("bottom_right", "top_left"), dtypes=DTYPES,
+                    devices=("cpu",) if INTERPRET else ("cuda",), backward=True, gqa=True, lse=True,
+                    framework="torch", blocks=BLOCKS, head_dims=(1, 256),
+                    tags=("interpreter",) if INTERPRET else (), register=False)
+    def mutant(q, k, v, *, causal=False, scale=None, block_q=None, block_k=None, precision="ieee"):
+        return flash_attention(q, k, v, causal=causal, scale=scale, block_q=block_q, block_k=block_k,
+                               precision=precision, bug=code)
+
+    mutant.__name__ = f"attention_mutant_{bug}"
+    return mutant

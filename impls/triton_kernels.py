@@ -1,0 +1,308 @@
+"""Triton kernels of the fused FlashAttention (forward, backward preprocess, dK/dV, dQ).
+
+Layout and semantics are DESIGN.md's: q (B, Hq, Sq, D), k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv);
+query head h reads key/value head h // G with G = Hq // Hkv. Query i sees key j iff
+j <= i + OFF when CAUSAL (OFF = Sk - Sq bottom-right, 0 top-left).
+
+Conventions shared by every kernel:
+- head dims are padded to a power of two (D_PAD, DV_PAD >= 16); PAD_D / PAD_DV say whether the
+  padding is real, so the column masks vanish at compile time when it is not;
+- the last dimension of every tensor has stride 1, the others are passed (so a sliced, longer
+  buffer is read in place and its tail must never leak in);
+- scores are kept in base 2: s2 = (q . k) * scale * log2(e), so softmax uses exp2;
+- LSE is stored in natural log (float32); a row that sees no key stores O = 0, LSE = -inf;
+- BUG is a compile-time switch for mutation testing; 0 (the default build) compiles the
+  mutant branches away. 1 no_rescale, 2 lse_base2, 3 drop_partial_tile, 4 bwd_no_delta.
+- no atomics: every output element is written by exactly one program.
+"""
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+BUGS = {"none": 0, "no_rescale": 1, "lse_base2": 2, "drop_partial_tile": 3, "bwd_no_delta": 4}
+
+
+@triton.jit
+def _load2d(ptrs, rows, n_rows, cols, n_cols, MASK_ROWS: tl.constexpr, MASK_COLS: tl.constexpr):
+    """Load a tile, masking rows >= n_rows and/or cols >= n_cols (to 0) only where asked."""
+    if MASK_ROWS:
+        if MASK_COLS:
+            x = tl.load(ptrs, mask=(rows[:, None] < n_rows) & (cols[None, :] < n_cols), other=0.0)
+        else:
+            x = tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
+    else:
+        if MASK_COLS:
+            x = tl.load(ptrs, mask=cols[None, :] < n_cols, other=0.0)
+        else:
+            x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
+def _store2d(ptrs, x, rows, n_rows, cols, n_cols, MASK_COLS: tl.constexpr):
+    if MASK_COLS:
+        tl.store(ptrs, x, mask=(rows[:, None] < n_rows) & (cols[None, :] < n_cols))
+    else:
+        tl.store(ptrs, x, mask=rows[:, None] < n_rows)
+
+
+@triton.jit
+def _key_range(m0, Sk, OFF, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+               BUG: tl.constexpr):
+    """For the query tile [m0, m0 + BLOCK_M): (end of the unmasked full key tiles, end of keys to visit).
+
+    Keys [0, lo) are in bounds and visible to every row of the tile (no mask needed);
+    keys [lo, hi) need the bounds / causal mask; keys >= hi are hidden from every row (skipped).
+    """
+    if CAUSAL:
+        lo = tl.minimum(Sk // BLOCK_N, tl.maximum(m0 + OFF + 1, 0) // BLOCK_N) * BLOCK_N
+        hi = tl.minimum(Sk, tl.maximum(m0 + BLOCK_M + OFF, 0))
+    else:
+        lo = (Sk // BLOCK_N) * BLOCK_N
+        hi = Sk
+    if BUG == 3:  # mutant: the last partial key tile is dropped
+        hi = tl.minimum(hi, (Sk // BLOCK_N) * BLOCK_N)
+    return lo, hi
+
+
+# ----------------------------------------------------------------------------------- forward
+
+@triton.jit
+def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, skn, svn, lo, hi, offs_m, Sk, D, Dv, OFF, qk_scale,
+               MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr,
+               DV_PAD: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr, DOT_PREC: tl.constexpr,
+               BUG: tl.constexpr):
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D_PAD)
+    offs_dv = tl.arange(0, DV_PAD)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + offs_n0
+        k = _load2d(k_base + offs_n[:, None] * skn + offs_d[None, :], offs_n, Sk, offs_d, D, MASKED, PAD_D)
+        v = _load2d(v_base + offs_n[:, None] * svn + offs_dv[None, :], offs_n, Sk, offs_dv, Dv, MASKED, PAD_DV)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+        if MASKED:
+            keep = offs_n[None, :] < Sk
+            if CAUSAL:
+                keep = keep & (offs_n[None, :] <= offs_m[:, None] + OFF)
+            s = tl.where(keep, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # a row that has seen no key yet keeps m = -inf; shift it by 0 so exp2 gives 0, not NaN
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = m_new
+        p = tl.exp2(s - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if BUG != 1:  # mutant 1 skips the rescale of what earlier tiles accumulated
+            acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def attn_fwd(Q, K, V, O, LSE,
+             sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som,
+             Hq, G, Sq, Sk, D, Dv, OFF, qk_scale,
+             CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+             D_PAD: tl.constexpr, DV_PAD: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr,
+             DOT_PREC: tl.constexpr, BUG: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // Hq).to(tl.int64)
+    h = (pid_bh % Hq).to(tl.int64)
+    hk = h // G
+    q_base = Q + b * sqb + h * sqh
+    k_base = K + b * skb + hk * skh
+    v_base = V + b * svb + hk * svh
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D_PAD)
+    offs_dv = tl.arange(0, DV_PAD)
+    q = _load2d(q_base + offs_m[:, None] * sqm + offs_d[None, :], offs_m, Sq, offs_d, D, True, PAD_D)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, DV_PAD], tl.float32)
+    lo, hi = _key_range(m0, Sk, OFF, BLOCK_M, BLOCK_N, CAUSAL, BUG)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, skn, svn, 0, lo, offs_m, Sk, D, Dv, OFF,
+                               qk_scale, False, CAUSAL, BLOCK_N, D_PAD, DV_PAD, PAD_D, PAD_DV, DOT_PREC, BUG)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, skn, svn, lo, hi, offs_m, Sk, D, Dv, OFF,
+                               qk_scale, True, CAUSAL, BLOCK_N, D_PAD, DV_PAD, PAD_D, PAD_DV, DOT_PREC, BUG)
+
+    seen = l_i > 0.0
+    l_safe = tl.where(seen, l_i, 1.0)
+    o = acc / l_safe[:, None]  # rows that saw nothing have acc = 0, so O = 0
+    if BUG == 2:  # mutant: LSE left in base 2
+        lse = tl.where(seen, m_i + tl.log2(l_safe), float("-inf"))
+    else:
+        lse = tl.where(seen, (m_i + tl.log2(l_safe)) * LN2, float("-inf"))
+    o_base = O + b * sob + h * soh
+    _store2d(o_base + offs_m[:, None] * som + offs_dv[None, :], o.to(O.dtype.element_ty),
+             offs_m, Sq, offs_dv, Dv, PAD_DV)
+    tl.store(LSE + pid_bh.to(tl.int64) * Sq + offs_m, lse, mask=offs_m < Sq)
+
+
+# ---------------------------------------------------------------------------------- backward
+
+@triton.jit
+def attn_bwd_preprocess(O, DO, DELTA, sob, soh, som, sdob, sdoh, sdom, Hq, Sq, Dv,
+                        BLOCK_M: tl.constexpr, DV_PAD: tl.constexpr, PAD_DV: tl.constexpr,
+                        BUG: tl.constexpr):
+    """delta[b, h, i] = rowsum(dO * O) in float32."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // Hq).to(tl.int64)
+    h = (pid_bh % Hq).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_dv = tl.arange(0, DV_PAD)
+    o = _load2d(O + b * sob + h * soh + offs_m[:, None] * som + offs_dv[None, :],
+                offs_m, Sq, offs_dv, Dv, True, PAD_DV).to(tl.float32)
+    do = _load2d(DO + b * sdob + h * sdoh + offs_m[:, None] * sdom + offs_dv[None, :],
+                 offs_m, Sq, offs_dv, Dv, True, PAD_DV).to(tl.float32)
+    delta = tl.sum(o * do, 1)
+    if BUG == 4:  # mutant: the rowsum(dO * O) term is dropped
+        delta = delta * 0.0
+    tl.store(DELTA + pid_bh.to(tl.int64) * Sq + offs_m, delta, mask=offs_m < Sq)
+
+
+@triton.jit
+def _row_stats(LSE, DELTA, row_base, offs_m, Sq):
+    """Base-2 LSE per row with padded rows and rows that saw no key mapped to +inf (so P = 0)."""
+    lse = tl.load(LSE + row_base + offs_m, mask=offs_m < Sq, other=float("inf"))
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E
+    delta = tl.load(DELTA + row_base + offs_m, mask=offs_m < Sq, other=0.0)
+    return lse2, delta
+
+
+@triton.jit
+def _dkdv_inner(dk, dv, k, v, q_base, do_base, LSE, DELTA, row_base, sqm, sdom, lo, hi, offs_n,
+                Sq, D, Dv, OFF, qk_scale,
+                MASKED: tl.constexpr, BLOCK_M: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
+                PAD_D: tl.constexpr, PAD_DV: tl.constexpr, DOT_PREC: tl.constexpr):
+    offs_m0 = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D_PAD)
+    offs_dv = tl.arange(0, DV_PAD)
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + offs_m0
+        q = _load2d(q_base + offs_m[:, None] * sqm + offs_d[None, :], offs_m, Sq, offs_d, D, True, PAD_D)
+        do = _load2d(do_base + offs_m[:, None] * sdom + offs_dv[None, :], offs_m, Sq, offs_dv, Dv, True, PAD_DV)
+        lse2, delta = _row_stats(LSE, DELTA, row_base, offs_m, Sq)
+        s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PREC)  # (BLOCK_N, BLOCK_M)
+        p_t = tl.exp2(s_t * qk_scale - lse2[None, :])
+        if MASKED:
+            p_t = tl.where(offs_m[None, :] + OFF >= offs_n[:, None], p_t, 0.0)
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PREC)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PREC)
+    return dk, dv
+
+
+@triton.jit
+def attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV,
+                  sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdom,
+                  sdkb, sdkh, sdkn, sdvb, sdvh, sdvn,
+                  Hq, Hkv, G, Sq, Sk, D, Dv, OFF, qk_scale, sm_scale,
+                  CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  D_PAD: tl.constexpr, DV_PAD: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr,
+                  DOT_PREC: tl.constexpr):
+    """One program per (key tile, batch, kv head): loops over the group's query heads and query tiles."""
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // Hkv).to(tl.int64)
+    hk = (pid_bh % Hkv).to(tl.int64)
+    n0 = pid_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D_PAD)
+    offs_dv = tl.arange(0, DV_PAD)
+    k = _load2d(K + b * skb + hk * skh + offs_n[:, None] * skn + offs_d[None, :], offs_n, Sk, offs_d, D,
+                True, PAD_D)
+    v = _load2d(V + b * svb + hk * svh + offs_n[:, None] * svn + offs_dv[None, :], offs_n, Sk, offs_dv, Dv,
+                True, PAD_DV)
+    dk = tl.zeros([BLOCK_N, D_PAD], tl.float32)
+    dv = tl.zeros([BLOCK_N, DV_PAD], tl.float32)
+    if CAUSAL:
+        # queries below n0 - OFF see no key of this tile; from n0 + BLOCK_N - 1 - OFF on they see all
+        lo = (tl.maximum(n0 - OFF, 0) // BLOCK_M) * BLOCK_M
+        mid = tl.minimum(tl.cdiv(tl.maximum(n0 + BLOCK_N - 1 - OFF, lo), BLOCK_M) * BLOCK_M, Sq)
+        mid = tl.maximum(mid, lo)
+    else:
+        lo = 0
+        mid = 0
+    for g in range(G):
+        h = hk * G + g
+        q_base = Q + b * sqb + h * sqh
+        do_base = DO + b * sdob + h * sdoh
+        row_base = (b * Hq + h) * Sq
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, LSE, DELTA, row_base, sqm, sdom, lo, mid, offs_n,
+                             Sq, D, Dv, OFF, qk_scale, True, BLOCK_M, D_PAD, DV_PAD, PAD_D, PAD_DV, DOT_PREC)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, LSE, DELTA, row_base, sqm, sdom, mid, Sq, offs_n,
+                             Sq, D, Dv, OFF, qk_scale, False, BLOCK_M, D_PAD, DV_PAD, PAD_D, PAD_DV, DOT_PREC)
+    dk = dk * sm_scale
+    _store2d(DK + b * sdkb + hk * sdkh + offs_n[:, None] * sdkn + offs_d[None, :], dk.to(DK.dtype.element_ty),
+             offs_n, Sk, offs_d, D, PAD_D)
+    _store2d(DV + b * sdvb + hk * sdvh + offs_n[:, None] * sdvn + offs_dv[None, :], dv.to(DV.dtype.element_ty),
+             offs_n, Sk, offs_dv, Dv, PAD_DV)
+
+
+@triton.jit
+def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, skn, svn, lo, hi, offs_m, Sk, D, Dv, OFF, qk_scale,
+              MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr,
+              DV_PAD: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr, DOT_PREC: tl.constexpr):
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D_PAD)
+    offs_dv = tl.arange(0, DV_PAD)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + offs_n0
+        k = _load2d(k_base + offs_n[:, None] * skn + offs_d[None, :], offs_n, Sk, offs_d, D, MASKED, PAD_D)
+        v = _load2d(v_base + offs_n[:, None] * svn + offs_dv[None, :], offs_n, Sk, offs_dv, Dv, MASKED, PAD_DV)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+        p = tl.exp2(s * qk_scale - lse2[:, None])
+        if MASKED:
+            keep = offs_n[None, :] < Sk
+            if CAUSAL:
+                keep = keep & (offs_n[None, :] <= offs_m[:, None] + OFF)
+            p = tl.where(keep, p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
+    return dq
+
+
+@triton.jit
+def attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ,
+                sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdom, sdqb, sdqh, sdqm,
+                Hq, G, Sq, Sk, D, Dv, OFF, qk_scale, sm_scale,
+                CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                D_PAD: tl.constexpr, DV_PAD: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr,
+                DOT_PREC: tl.constexpr):
+    """One program per (query tile, batch, query head): loops over the key tiles it sees."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // Hq).to(tl.int64)
+    h = (pid_bh % Hq).to(tl.int64)
+    hk = h // G
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D_PAD)
+    offs_dv = tl.arange(0, DV_PAD)
+    q = _load2d(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :], offs_m, Sq, offs_d, D,
+                True, PAD_D)
+    do = _load2d(DO + b * sdob + h * sdoh + offs_m[:, None] * sdom + offs_dv[None, :], offs_m, Sq, offs_dv, Dv,
+                 True, PAD_DV)
+    lse2, delta = _row_stats(LSE, DELTA, pid_bh.to(tl.int64) * Sq, offs_m, Sq)
+    k_base = K + b * skb + hk * skh
+    v_base = V + b * svb + hk * svh
+    dq = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    lo, hi = _key_range(m0, Sk, OFF, BLOCK_M, BLOCK_N, CAUSAL, 0)
+    dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, skn, svn, 0, lo, offs_m, Sk, D, Dv, OFF, qk_scale,
+                   False, CAUSAL, BLOCK_N, D_PAD, DV_PAD, PAD_D, PAD_DV, DOT_PREC)
+    dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, skn, svn, lo, hi, offs_m, Sk, D, Dv, OFF, qk_scale,
+                   True, CAUSAL, BLOCK_N, D_PAD, DV_PAD, PAD_D, PAD_DV, DOT_PREC)
+    dq = dq * sm_scale
+    _store2d(DQ + b * sdqb + h * sdqh + offs_m[:, None] * sdqm + offs_d[None, :], dq.to(DQ.dtype.element_ty),
+             offs_m, Sq, offs_d, D, PAD_D)
