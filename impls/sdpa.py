@@ -1,0 +1,152 @@
+"""torch.nn.functional.scaled_dot_product_attention, one implementation per backend, as external oracles.
+
+Each backend is pinned with torch.nn.attention.sdpa_kernel(<that backend only>), so a backend
+that refuses an input raises ("No available kernel") instead of silently falling back to another.
+
+Declared capabilities follow torch's own dispatch checks (aten/src/ATen/native/transformers,
+sdp_utils*.cpp) as of torch 2.11-2.13:
+
+| name | device | dtypes | limits |
+|---|---|---|---|
+| sdpa-math | cpu, cuda | all four | none |
+| sdpa-flash (cpu) | cpu | all four | D == Dv |
+| sdpa-flash (cuda) | cuda, sm80+ | fp16, bf16 | D == Dv <= 256; causal only when Sq == Sk |
+| sdpa-efficient | cuda | fp16, bf16, fp32 | D, Dv multiples of 8 (fp16/bf16) or 4 (fp32) |
+| sdpa-cudnn | cuda, sm80+ | fp16, bf16 | D, Dv multiples of 8 and <= 128; Sk >= 2 |
+
+SDPA's is_causal is top-left aligned (query i sees key j iff j <= i), so causal=("top_left",).
+SDPA returns no LSE (lse=False). GQA is passed as enable_gqa=True where torch has it.
+
+Limits that the Implementation record cannot express (D == Dv, a head-dim multiple, Sk >= 2,
+square causal) are met by exact input adaptations below, so every property still runs on the
+backend itself: zero-padding D (q and k) leaves the scores unchanged once the scale is fixed
+from the true D; zero-padding Dv only adds output columns that are sliced off; duplicating a
+single key/value leaves softmax attention unchanged; a top-left causal call with Sq != Sk is
+split into square causal and non-causal calls. Each adaptation is applied only to the backends
+that need it; autograd carries the gradients back through the padding, slicing and splitting.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from impls import implementation
+from impls.checks import alignment, check_inputs
+
+try:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+except ImportError as exc:  # torch < 2.3: no per-backend selection, so nothing to register honestly
+    raise ImportError(f"impls.sdpa needs torch.nn.attention.sdpa_kernel: {exc}") from exc
+
+ALL_DTYPES = ("float64", "float32", "float16", "bfloat16")
+
+
+def _probe_gqa() -> bool:
+    """enable_gqa arrived in torch 2.5; a tiny call is more reliable than reading the signature."""
+    try:
+        x = torch.zeros(1, 2, 1, 1)
+        with sdpa_kernel(SDPBackend.MATH):
+            F.scaled_dot_product_attention(x, x[:, :1], x[:, :1], enable_gqa=True)
+        return True
+    except (TypeError, RuntimeError):
+        return False
+
+
+HAS_GQA = _probe_gqa()
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _sdpa(q, k, v, backend, causal: bool, scale):
+    kw = {"enable_gqa": True} if HAS_GQA and q.shape[1] != k.shape[1] else {}
+    with sdpa_kernel(backend):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, **kw)
+
+
+def call_sdpa(q, k, v, *, backend, causal: bool, scale, head_dim_multiple=1, equal_head_dims=False,
+              min_keys=1, square_causal=False):
+    """SDPA on one backend, adapting (exactly) the inputs to the backend's shape limits."""
+    d, dv, sq, sk = q.shape[-1], v.shape[-1], q.shape[2], k.shape[2]
+    dp, dvp = _round_up(d, head_dim_multiple), _round_up(dv, head_dim_multiple)
+    if equal_head_dims:
+        dp = dvp = max(dp, dvp)
+    if (dp, dvp) != (d, dv):
+        # SDPA would derive its default scale from the padded D: fix it from the true D first.
+        scale = 1.0 / math.sqrt(d) if scale is None else scale
+        q, k = F.pad(q, (0, dp - d)), F.pad(k, (0, dp - d))  # zero columns add 0 to every score
+        v = F.pad(v, (0, dvp - dv))  # zero columns give zero output columns, sliced off below
+    if sk == 1 < min_keys:
+        # The single key and value, twice: the softmax weights split 1/2 + 1/2 and O = v is unchanged;
+        # under top-left causal row 0 sees the first copy, later rows both (O = v either way).
+        k, v = k.expand(-1, -1, 2, -1).contiguous(), v.expand(-1, -1, 2, -1).contiguous()
+        sk = 2
+    if causal and square_causal and sq != sk:
+        if sq < sk:
+            # Top-left: no row sees a key at or past Sq, so those keys drop out (their dK, dV are 0).
+            o = _sdpa(q, k[:, :, :sq].contiguous(), v[:, :, :sq].contiguous(), backend, True, scale)
+        else:
+            # Rows 0..Sk-1 form a square causal problem; rows Sk.. see every key.
+            top = _sdpa(q[:, :, :sk].contiguous(), k, v, backend, True, scale)
+            bottom = _sdpa(q[:, :, sk:].contiguous(), k, v, backend, False, scale)
+            o = torch.cat([top, bottom], dim=2)
+    else:
+        o = _sdpa(q, k, v, backend, causal, scale)
+    return o[..., :dv] if dvp != dv else o
+
+
+def _register(name, backend, *, devices, dtypes, head_dims=(1, 256), **adapt):
+    who = name
+
+    def attention(q, k, v, *, causal=False, scale=None):
+        for label, x in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"{who}: {label} must be a torch.Tensor, got {type(x).__name__}")
+        if not (q.device == k.device == v.device):
+            raise ValueError(f"{who}: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+        if q.device.type not in devices:
+            raise ValueError(f"{who}: unsupported device {q.device}; supported: {', '.join(devices)}")
+        _, hq, hkv, _, _, d, dv = check_inputs(q, k, v, dtypes=dtypes, who=who)
+        if hq != hkv and not HAS_GQA:
+            raise ValueError(f"{who}: this torch ({torch.__version__}) has no enable_gqa; Hq must equal Hkv")
+        lo, hi = head_dims
+        if not (lo <= d <= hi and lo <= dv <= hi):
+            raise ValueError(f"{who}: head dims D={d}, Dv={dv} outside the supported range [{lo}, {hi}]")
+        align = alignment(causal)
+        if align == "bottom_right":
+            raise ValueError(f"{who}: SDPA's is_causal is top-left aligned; bottom-right is not supported")
+        return call_sdpa(q, k, v, backend=backend, causal=align is not None,
+                         scale=None if scale is None else float(scale), **adapt)
+
+    attention.__name__ = attention.__qualname__ = name.replace("-", "_")
+    attention.__doc__ = f"torch SDPA pinned to SDPBackend.{backend.name} (see impls/sdpa.py)."
+    implementation(name=name, causal=("top_left",), dtypes=dtypes, devices=devices, backward=True,
+                   gqa=HAS_GQA, lse=False, framework="torch", head_dims=head_dims)(attention)
+    return attention
+
+
+_CUDA = torch.cuda.is_available()
+_SM80 = _CUDA and torch.cuda.get_device_capability() >= (8, 0)
+
+math_attention = _register("sdpa-math", SDPBackend.MATH, devices=("cpu", "cuda") if _CUDA else ("cpu",),
+                           dtypes=ALL_DTYPES)
+
+if _CUDA:
+    # The suite runs a declared CUDA implementation on CUDA when it is present, so each fused backend
+    # is registered for the device whose kernel it names.
+    if _SM80 and getattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)():
+        flash_attention = _register("sdpa-flash", SDPBackend.FLASH_ATTENTION, devices=("cuda",),
+                                    dtypes=("float16", "bfloat16"), equal_head_dims=True, square_causal=True)
+    efficient_attention = _register("sdpa-efficient", SDPBackend.EFFICIENT_ATTENTION, devices=("cuda",),
+                                    dtypes=("float32", "float16", "bfloat16"), head_dim_multiple=8)
+    if _SM80 and torch.backends.cudnn.is_available():
+        cudnn_attention = _register("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION, devices=("cuda",),
+                                    dtypes=("float16", "bfloat16"), head_dims=(1, 128), head_dim_multiple=8,
+                                    min_keys=2)
+else:
+    # The CPU flash kernel (aten _scaled_dot_product_flash_attention_for_cpu).
+    flash_attention = _register("sdpa-flash", SDPBackend.FLASH_ATTENTION, devices=("cpu",), dtypes=ALL_DTYPES,
+                                equal_head_dims=True)
