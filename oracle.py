@@ -114,6 +114,9 @@ def compare(case: AttentionCase, name: str, got: np.ndarray, want: np.ndarray | 
     label = f"{who} {name}".strip()
     if got.shape != want.shape:
         raise AssertionError(f"{label}: expected shape {want.shape}, got {got.shape}\n  case: {case!r}")
+    if np.isnan(want).any():
+        raise AssertionError(f"{label}: the reference itself holds NaN at "
+                             f"{tuple(int(i) for i in np.argwhere(np.isnan(want))[0])}\n  case: {case!r}")
     bad_nonfinite = np.isfinite(want) & ~np.isfinite(got)
     inf_mismatch = np.isinf(want) & (got != want)
     if bad_nonfinite.any() or inf_mismatch.any():

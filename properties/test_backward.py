@@ -30,7 +30,7 @@ def test_gradients_match_analytic_float64(impl, case):
 
 @pytest.mark.requires("backward")
 @pytest.mark.requires("masked")
-@given(case=fs.cases(masked_rows=True) | fs.cases(causal="top_left"))
+@given(case=fs.cases(masked_rows=True) | fs.cases(masked_keys=True))
 @example(case=Case(sq=3, sk=5, causal="top_left"))
 def test_masked_positions_get_exactly_zero_gradient(impl, case):
     case = fs.fit(impl, case)

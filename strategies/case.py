@@ -124,11 +124,14 @@ def _inputs(case: AttentionCase):
     elif case.regime == "equal":
         k = np.broadcast_to(k[:, :, :1], k.shape).copy()  # identical keys: uniform scores
     elif case.regime == "dominant" and scale > 0:
-        # one key per head outscores the rest by a margin near the overflow point
+        # one key per head outscores every other key of every row by half the overflow point
         u = _unit(rng, d)
-        q = q + 3 * u
+        q = 0.3 * q + 3 * u  # every query leans towards u
         star = rng.integers(sk)
-        k[:, :, star] = min(0.9 * over / (3 * scale), cap) * u
+        k[:, :, star] = 0
+        others = np.abs(_logits(case, q, k)).max()
+        lean = max((q @ u).min(), 1.0)  # q.u = 3 + 0.3 N(0, 1): below 1 needs a 6.7-sigma draw
+        k[:, :, star] = min((0.5 * over + others) / (scale * lean), cap) * u
     elif case.regime == "ties":
         k = k[:, :, :1] + 1e-3 * k  # near-identical keys: scores differ in the last bits
     elif case.regime == "heavy":

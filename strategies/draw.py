@@ -40,11 +40,13 @@ def lengths(block: int, top: int):
 
 
 @st.composite
-def cases(draw, *, dtypes=None, causal=None, regimes=REGIMES, masked_rows=None, equal_lengths=False):
+def cases(draw, *, dtypes=None, causal=None, regimes=REGIMES, masked_rows=False, masked_keys=False,
+          equal_lengths=False):
     """Draw an AttentionCase.
 
     ``causal`` fixes the alignment (or "none"); ``masked_rows=True`` forces a
-    bottom-right case with query rows that see no key; ``regimes`` narrows the logits.
+    bottom-right case with query rows that see no key, ``masked_keys=True`` a top-left
+    case with keys no query sees; ``regimes`` narrows the logits.
     """
     lim = limits()
     batch = draw(st.integers(1, lim["batch"]), label="batch")
@@ -57,6 +59,11 @@ def cases(draw, *, dtypes=None, causal=None, regimes=REGIMES, masked_rows=None, 
         # bottom-right with Sq > Sk: the first Sq - Sk query rows see no key at all
         sq = sk + draw(st.integers(1, lim["seq"]), label="masked rows")
         align = "bottom_right"
+    elif masked_keys:
+        # top-left with Sk > Sq: keys past the last query are seen by nobody
+        sq = draw(lengths(block_q, lim["seq"]), label="sq")
+        sk = sq + draw(st.integers(1, lim["seq"]), label="masked keys")
+        align = "top_left"
     else:
         sq = sk if equal_lengths else draw(lengths(block_q, lim["seq"]), label="sq")
         align = None if causal == "none" else causal or draw(
