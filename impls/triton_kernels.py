@@ -111,6 +111,8 @@ def attn_fwd(Q, K, V, O, LSE,
              D_PAD: tl.constexpr, DV_PAD: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr,
              DOT_PREC: tl.constexpr, BUG: tl.constexpr):
     pid_m = tl.program_id(0)
+    if CAUSAL:  # the last query tiles see the most keys: start them first to shorten the tail
+        pid_m = tl.num_programs(0) - 1 - pid_m
     pid_bh = tl.program_id(1)
     b = (pid_bh // Hq).to(tl.int64)
     h = (pid_bh % Hq).to(tl.int64)
@@ -191,10 +193,10 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, LSE, DELTA, row_base, sqm, sdom, 
         q = _load2d(q_base + offs_m[:, None] * sqm + offs_d[None, :], offs_m, Sq, offs_d, D, True, PAD_D)
         do = _load2d(do_base + offs_m[:, None] * sdom + offs_dv[None, :], offs_m, Sq, offs_dv, Dv, True, PAD_DV)
         lse2, delta = _row_stats(LSE, DELTA, row_base, offs_m, Sq)
-        s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PREC)  # (BLOCK_N, BLOCK_M)
-        p_t = tl.exp2(s_t * qk_scale - lse2[None, :])
-        if MASKED:
-            p_t = tl.where(offs_m[None, :] + OFF >= offs_n[:, None], p_t, 0.0)
+        s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * qk_scale  # (BLOCK_N, BLOCK_M)
+        if MASKED:  # hidden scores go to -inf before exp2, so no inf is ever formed
+            s_t = tl.where(offs_m[None, :] + OFF >= offs_n[:, None], s_t, float("-inf"))
+        p_t = tl.exp2(s_t - lse2[None, :])
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PREC)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
         ds_t = p_t * (dp_t - delta[None, :])
@@ -260,13 +262,13 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, skn, svn, lo, hi, offs_m, 
         offs_n = start_n + offs_n0
         k = _load2d(k_base + offs_n[:, None] * skn + offs_d[None, :], offs_n, Sk, offs_d, D, MASKED, PAD_D)
         v = _load2d(v_base + offs_n[:, None] * svn + offs_dv[None, :], offs_n, Sk, offs_dv, Dv, MASKED, PAD_DV)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
-        p = tl.exp2(s * qk_scale - lse2[:, None])
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
         if MASKED:
             keep = offs_n[None, :] < Sk
             if CAUSAL:
                 keep = keep & (offs_n[None, :] <= offs_m[:, None] + OFF)
-            p = tl.where(keep, p, 0.0)
+            s = tl.where(keep, s, float("-inf"))
+        p = tl.exp2(s - lse2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
@@ -282,6 +284,8 @@ def attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ,
                 DOT_PREC: tl.constexpr):
     """One program per (query tile, batch, query head): loops over the key tiles it sees."""
     pid_m = tl.program_id(0)
+    if CAUSAL:
+        pid_m = tl.num_programs(0) - 1 - pid_m
     pid_bh = tl.program_id(1)
     b = (pid_bh // Hq).to(tl.int64)
     h = (pid_bh % Hq).to(tl.int64)
