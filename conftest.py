@@ -6,12 +6,23 @@ the built-ins, or those named by ``--impl`` / FLASHCHECK_IMPL. A test marked
 implementation that does not declare that capability.
 """
 import os
+import re
 
 import pytest
 
-import strategies.profiles  # noqa: F401  (registers and loads the Hypothesis profiles)
-from impls import ContractError, builtins, load
-from impls.call import cuda_available, device_for
+from impls.call import cuda_available
+
+# Without CUDA, Triton kernels still run, slowly, in Triton's CPU interpreter; it must be
+# switched on before triton is imported. TRITON_INTERPRET=0 opts out.
+if "TRITON_INTERPRET" not in os.environ and not cuda_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import strategies.profiles  # noqa: E402,F401  (registers and loads the Hypothesis profiles)
+import repro  # noqa: E402
+from impls import ContractError, builtins, load, spec_of  # noqa: E402
+from strategies import AttentionCase  # noqa: E402
+from strategies import draw as fs_draw  # noqa: E402
+from impls.call import device_for  # noqa: E402
 
 CAPABILITIES = {
     "lse": lambda i: i.lse,
@@ -65,3 +76,31 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """On a failing property, write a standalone reproducer of the shrunk case."""
+    outcome = yield
+    report = outcome.get_result()
+    impl = getattr(getattr(item, "callspec", None), "params", {}).get("impl")
+    if report.when != "call" or not report.failed or impl is None:
+        return
+    message = str(call.excinfo.value) if call.excinfo else ""
+    # The failing case is the one the assertion names; Hypothesis may have run others since.
+    named = re.search(r"AttentionCase\([^)]*\)", message)
+    last = fs_draw.LAST_FITTED[0]
+    case = eval(named.group(0), {"AttentionCase": AttentionCase}) if named else last and last[1]
+    if case is None:
+        return
+    try:
+        where = repro.write(case, spec_of(impl), item.nodeid, message)
+    except Exception as exc:  # a reproducer is a courtesy: never mask the real failure
+        report.sections.append(("flashcheck reproducer", f"could not be written: {exc}"))
+        return
+    report.sections.append(("flashcheck reproducer", f"written to {where}\nreplay: python -m repro {where} "
+                            f"[--impl FILE.py:function]"))
+
+
+def pytest_runtest_setup(item):
+    fs_draw.LAST_FITTED[0] = None

@@ -19,13 +19,14 @@ DEVICES = ("cpu", "cuda")
 FRAMEWORKS = ("torch", "numpy")
 
 REGISTRY: dict[str, "Implementation"] = {}
+SPECS: dict[str, str] = {}  # implementation name -> the --impl spec that loaded it
 
 
 class ContractError(ValueError):
     """A plug-in's declaration or location is malformed."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class Implementation:
     """What one implementation declares it can do; the strategies draw only inside it."""
 
@@ -45,6 +46,9 @@ class Implementation:
     equal_lengths: bool = False  # only Sq == Sk
     masked_rows: bool = True  # a query row that sees no key gives O = 0 (and LSE = -inf)
     tags: tuple[str, ...] = field(default=())  # extra pytest markers, e.g. "interpreter"
+
+    def __repr__(self):
+        return f"<implementation {self.name}>"
 
     def causal_arg(self, alignment: str | None):
         """The value passed as ``causal=``: a bool, or the alignment when it has several."""
@@ -138,7 +142,13 @@ def load(spec: str) -> Implementation:
     record = getattr(fn, "__flashcheck__", None)
     if record is None:
         raise ContractError(f"--impl {spec!r}: {attr!r} is not decorated with @impls.implementation(...)")
+    SPECS[record.name] = spec
     return record
+
+
+def spec_of(impl: Implementation) -> str:
+    """A spec that ``load`` turns back into this implementation."""
+    return SPECS.get(impl.name) or f"{impl.fn.__module__}:{impl.fn.__name__}"
 
 
 def builtins() -> list[Implementation]:

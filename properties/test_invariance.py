@@ -101,4 +101,4 @@ def test_inputs_are_never_modified(impl, case):
     q, k, v, do = case.inputs()
     res = call.run(impl, case, q, k, v, do if impl.has_backward else None)
     for name, before, after in zip("qkv", (q, k, v), res.inputs_after):
-        assert np.array_equal(before, after), f"{impl.name} modified its input {name}"
+        assert np.array_equal(before, after), f"{impl.name} modified its input {name}\n  case: {case!r}"

@@ -88,6 +88,9 @@ def _nearest(value, allowed):
     return min(allowed, key=lambda a: (abs(math.log2(a) - math.log2(value)), a))
 
 
+LAST_FITTED: list = [None]  # (impl, case) of the latest fit: the case a failure report shows
+
+
 def fit(impl, case: AttentionCase) -> AttentionCase:
     """The nearest case inside what ``impl`` declares it can run; unchanged when it fits.
 
@@ -115,4 +118,5 @@ def fit(impl, case: AttentionCase) -> AttentionCase:
         c = c.replace(block_q=_nearest(c.block_q, impl.blocks), block_k=_nearest(c.block_k, impl.blocks))
     if c != case:
         note(f"fitted to {impl.name}: {c!r}")
+    LAST_FITTED[0] = (impl, c)
     return c

@@ -1,0 +1,66 @@
+"""Run the property suite against one implementation exactly as a user would, and read the verdict."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS: list = []  # (spec, bug class, Verdict) of this session, for the table
+# Cheapest properties first, so a kill is found as early as it can be; -x stops at it.
+FILES = ["properties/test_forward.py", "properties/test_backward.py", "properties/test_invariance.py",
+         "properties/test_bad_input.py"]
+
+
+@dataclass
+class Verdict:
+    spec: str
+    killed: bool
+    seconds: float
+    test: str = ""
+    case: str = ""
+    output: str = ""
+
+
+def run_suite(spec: str, timeout: float = 600) -> Verdict:
+    """``pytest -m properties -x --impl SPEC`` under the ci profile, in a fresh process."""
+    with tempfile.TemporaryDirectory() as repro_dir:
+        env = {**os.environ, "CI": "true", "FLASHCHECK_PROFILE": "ci", "FLASHCHECK_REPRO_DIR": repro_dir}
+        env.pop("FLASHCHECK_IMPL", None)
+        cmd = [sys.executable, "-m", "pytest", "-m", "properties", "-x", "-q", "-p", "no:cacheprovider",
+               "-p", "no:randomly", "--impl", spec, *FILES]
+        start = time.perf_counter()
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        seconds = time.perf_counter() - start
+    out = proc.stdout + proc.stderr
+    if proc.returncode not in (0, 1):
+        raise RuntimeError(f"pytest could not run {spec} (exit {proc.returncode}):\n{out[-3000:]}")
+    failed = re.search(r"^FAILED (\S+)", out, re.M)
+    cases = re.findall(r"case: (AttentionCase\([^)]*\))", out)
+    return Verdict(spec, proc.returncode == 1, seconds, failed.group(1) if failed else "",
+                   cases[-1] if cases else "", out)
+
+
+def parse(case_repr: str):
+    """The AttentionCase a report printed."""
+    from strategies import AttentionCase
+
+    return eval(case_repr, {"AttentionCase": AttentionCase})
+
+
+def table(results) -> list[str]:
+    """README's mutant table, as markdown rows."""
+    rows = ["| mutant | bug class | killed | seconds | shrunk case | killed by |", "|---|---|---|---|---|---|"]
+    for spec, what, v in results:
+        case = v.case.replace("AttentionCase(", "(") if v.case else "-"
+        rows.append(f"| `{spec.split(':')[-1]}` | {what} | {'yes' if v.killed else 'no'} | {v.seconds:.1f} "
+                    f"| `{case}` | `{v.test.split('::')[-1]}` |")
+    kills = sorted(v.seconds for _, what, v in results if v.killed and what != "correct")
+    if kills:
+        rows.append(f"\nmedian seconds to kill: {kills[len(kills) // 2]:.1f} over {len(kills)} mutants")
+    return rows

@@ -1,0 +1,39 @@
+"""Every public bug class is killed by the suite, with a small shrunk case; correct kernels pass.
+
+Each mutant runs through ``pytest -m properties --impl mutants/<file>.py:<bug>``: the
+same path a user's plug-in takes. The table printed at the end is README's mutant table.
+"""
+import statistics
+
+import pytest
+
+from mutants import harness, tiled
+
+pytestmark = pytest.mark.mutants
+
+MUTANTS = [(f"mutants/tiled.py:{bug}", what) for bug, what in tiled.BUGS.items()]
+CORRECT = ["mutants/tiled.py:correct", "impls.numpy_ref:tiled_forward"]
+RESULTS = harness.RESULTS
+
+
+def small(case) -> bool:
+    """Batch 1, at most two kv heads, and lengths within two of the case's blocks plus one."""
+    reach = lambda n, block: n <= max(2 * block + 1, 9)  # noqa: E731
+    return case.batch == 1 and case.hkv <= 2 and reach(case.sq, case.block_q) and reach(case.sk, case.block_k)
+
+
+@pytest.mark.parametrize("spec,what", MUTANTS, ids=[s.split(":")[-1] for s, _ in MUTANTS])
+def test_mutant_is_killed_with_a_small_case(spec, what):
+    verdict = harness.run_suite(spec)
+    RESULTS.append((spec, what, verdict))
+    assert verdict.killed, f"{spec} ({what}) survived the property suite:\n{verdict.output[-2000:]}"
+    assert verdict.case, f"{spec} was killed by {verdict.test} but no shrunk case was reported"
+    case = harness.parse(verdict.case)
+    assert small(case), f"{spec}: shrunk case is not small: {verdict.case}"
+
+
+@pytest.mark.parametrize("spec", CORRECT)
+def test_correct_kernel_raises_no_false_alarm(spec):
+    verdict = harness.run_suite(spec)
+    RESULTS.append((spec, "correct", verdict))
+    assert not verdict.killed, f"{spec} is correct but failed {verdict.test}:\n{verdict.output[-3000:]}"
