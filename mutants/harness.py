@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -27,11 +28,18 @@ class Verdict:
     output: str = ""
 
 
-def run_suite(spec: str, timeout: float = 600) -> Verdict:
-    """``pytest -m properties -x --impl SPEC`` under the ci profile, in a fresh process."""
+def run_suite(spec: str, pins: bool = True, timeout: float = 600) -> Verdict:
+    """``pytest -m properties -x --impl SPEC`` under the ci profile, in a fresh process.
+
+    ``pins=False`` drops the @example pins: the kill must then come from generated cases
+    and the case reported is what the shrinker reached.
+    """
     with tempfile.TemporaryDirectory() as repro_dir:
         env = {**os.environ, "CI": "true", "FLASHCHECK_PROFILE": "ci", "FLASHCHECK_REPRO_DIR": repro_dir}
         env.pop("FLASHCHECK_IMPL", None)
+        env.pop("FLASHCHECK_SKIP_EXAMPLES", None)
+        if not pins:
+            env["FLASHCHECK_SKIP_EXAMPLES"] = "1"
         cmd = [sys.executable, "-m", "pytest", "-m", "properties", "-x", "-q", "-p", "no:cacheprovider",
                "-p", "no:randomly", "--impl", spec, *FILES]
         start = time.perf_counter()
@@ -55,12 +63,16 @@ def parse(case_repr: str):
 
 def table(results) -> list[str]:
     """README's mutant table, as markdown rows."""
-    rows = ["| mutant | bug class | killed | seconds | shrunk case | killed by |", "|---|---|---|---|---|---|"]
-    for spec, what, v in results:
+    rows = ["| mutant | bug class | pins | killed | seconds | shrunk case | killed by |",
+            "|---|---|---|---|---|---|---|"]
+    for spec, what, pins, v in results:
         case = v.case.replace("AttentionCase(", "(") if v.case else "-"
-        rows.append(f"| `{spec.split(':')[-1]}` | {what} | {'yes' if v.killed else 'no'} | {v.seconds:.1f} "
+        rows.append(f"| `{spec.split(':')[-1]}` | {what} | {'with' if pins else 'without'} "
+                    f"| {'yes' if v.killed else 'no'} | {v.seconds:.1f} "
                     f"| `{case}` | `{v.test.split('::')[-1]}` |")
-    kills = sorted(v.seconds for _, what, v in results if v.killed and what != "correct")
-    if kills:
-        rows.append(f"\nmedian seconds to kill: {kills[len(kills) // 2]:.1f} over {len(kills)} mutants")
+    for pins in (True, False):
+        kills = sorted(v.seconds for _, what, p, v in results if v.killed and what != "correct" and p is pins)
+        if kills:
+            rows.append(f"\nmedian seconds to kill {'with' if pins else 'without'} pins: "
+                        f"{statistics.median(kills):.1f} over {len(kills)} mutants")
     return rows

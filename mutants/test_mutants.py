@@ -3,8 +3,6 @@
 Each mutant runs through ``pytest -m properties --impl mutants/<file>.py:<bug>``: the
 same path a user's plug-in takes. The table printed at the end is README's mutant table.
 """
-import statistics
-
 import pytest
 
 from mutants import harness, tiled
@@ -22,10 +20,11 @@ def small(case) -> bool:
     return case.batch == 1 and case.hkv <= 2 and reach(case.sq, case.block_q) and reach(case.sk, case.block_k)
 
 
+@pytest.mark.parametrize("pins", [True, False], ids=["pinned", "shrunk"])
 @pytest.mark.parametrize("spec,what", MUTANTS, ids=[s.split(":")[-1] for s, _ in MUTANTS])
-def test_mutant_is_killed_with_a_small_case(spec, what):
-    verdict = harness.run_suite(spec)
-    RESULTS.append((spec, what, verdict))
+def test_mutant_is_killed_with_a_small_case(spec, what, pins):
+    verdict = harness.run_suite(spec, pins=pins)
+    RESULTS.append((spec, what, pins, verdict))
     assert verdict.killed, f"{spec} ({what}) survived the property suite:\n{verdict.output[-2000:]}"
     assert verdict.case, f"{spec} was killed by {verdict.test} but no shrunk case was reported"
     case = harness.parse(verdict.case)
@@ -35,5 +34,5 @@ def test_mutant_is_killed_with_a_small_case(spec, what):
 @pytest.mark.parametrize("spec", CORRECT)
 def test_correct_kernel_raises_no_false_alarm(spec):
     verdict = harness.run_suite(spec)
-    RESULTS.append((spec, "correct", verdict))
+    RESULTS.append((spec, "correct", True, verdict))
     assert not verdict.killed, f"{spec} is correct but failed {verdict.test}:\n{verdict.output[-3000:]}"

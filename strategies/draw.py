@@ -29,8 +29,12 @@ SCALES = (None, 0.0, 1e-6, 0.5, 2.0, 30.0)  # default, zero, tiny, plain, large
 DIMS = (1, 2, 3, 5, 7, 8, 16, 24, 31, 32, 33, 40, 48, 64, 80, 96, 100, 128, 160, 192, 256)
 
 
+def _profile() -> str:
+    return settings.get_current_profile_name().removesuffix("-nopins")
+
+
 def limits() -> dict:
-    return LIMITS.get(settings.get_current_profile_name(), LIMITS["default"])
+    return LIMITS.get(_profile(), LIMITS["default"])
 
 
 def lengths(block: int, top: int):
@@ -72,7 +76,7 @@ def cases(draw, *, dtypes=None, causal=None, regimes=REGIMES, masked_rows=False,
     d = draw(dims, label="d")
     dv = draw(dims, label="dv") if draw(st.booleans(), label="dv differs") else d
     scale = draw(st.one_of(st.sampled_from(SCALES), st.floats(0.01, 4.0)), label="scale")
-    dtype = draw(st.sampled_from(dtypes or DTYPES.get(settings.get_current_profile_name(), DEFAULT_DTYPES)),
+    dtype = draw(st.sampled_from(dtypes or DTYPES.get(_profile(), DEFAULT_DTYPES)),
                  label="dtype")
     regime = draw(st.sampled_from(regimes), label="regime")
     seed = draw(st.integers(0, 2**32 - 1), label="seed")

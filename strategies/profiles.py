@@ -1,7 +1,8 @@
 """Hypothesis profiles, registered in one place and loaded by conftest.py.
 
 Pick one with ``--hypothesis-profile NAME`` or ``FLASHCHECK_PROFILE=NAME``; ``ci`` loads
-by itself when the CI environment variable is set.
+by itself when the CI environment variable is set. FLASHCHECK_SKIP_EXAMPLES=1 drops the
+``@example`` pins, so that only generated and shrunk cases can fail (the mutant test uses it).
 """
 import os
 
@@ -22,10 +23,19 @@ settings.register_profile("gpu", max_examples=60, deadline=None, suppress_health
 settings.register_profile("thorough", max_examples=2000, deadline=None, suppress_health_check=_SLOW_OK)
 
 
+def without_pins(profile: str) -> str:
+    """The same profile minus the @example pins: kills must come from generation and shrinking."""
+    name = f"{profile}-nopins"
+    base = settings.get_profile(profile)
+    settings.register_profile(name, base, phases=[p for p in base.phases if p is not Phase.explicit])
+    return name
+
+
 def default_profile() -> str:
     if os.environ.get("FLASHCHECK_PROFILE"):
         return os.environ["FLASHCHECK_PROFILE"]
     return "ci" if os.environ.get("CI") else "default"
 
 
-settings.load_profile(default_profile())
+_profile = default_profile()
+settings.load_profile(without_pins(_profile) if os.environ.get("FLASHCHECK_SKIP_EXAMPLES") else _profile)
