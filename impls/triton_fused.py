@@ -48,14 +48,17 @@ def _pad(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
 
-# Tuned on an H200 (bench/gpu_bench.py): (BLOCK_M, BLOCK_N, num_warps, num_stages) per padded head dim.
-FWD_CFG = {16: (128, 64, 4, 3), 32: (128, 64, 4, 3), 64: (128, 64, 4, 3), 128: (128, 64, 8, 3),
+# Tuned on an H200 (bench/gpu_bench.py --sweep, fp16, N=4096): (BLOCK_M, BLOCK_N, num_warps, num_stages)
+# per padded head dim. dK/dV: BLOCK_M is the query tile, BLOCK_N the key tile. 256 is untuned.
+FWD_CFG = {16: (128, 64, 8, 4), 32: (128, 64, 8, 4), 64: (128, 64, 8, 4), 128: (128, 128, 8, 3),
            256: (64, 64, 8, 2)}
-# dK/dV: (BLOCK_M query tile, BLOCK_N key tile, warps, stages); dQ: (BLOCK_M, BLOCK_N, warps, stages)
-DKDV_CFG = {16: (32, 128, 4, 3), 32: (32, 128, 4, 3), 64: (32, 128, 4, 3), 128: (32, 128, 8, 3),
+DKDV_CFG = {16: (32, 128, 4, 3), 32: (32, 128, 4, 3), 64: (32, 128, 4, 3), 128: (64, 128, 8, 3),
             256: (32, 64, 8, 2)}
-DQ_CFG = {16: (128, 32, 4, 3), 32: (128, 32, 4, 3), 64: (128, 32, 4, 3), 128: (128, 32, 8, 3),
+DQ_CFG = {16: (128, 64, 8, 3), 32: (128, 64, 8, 3), 64: (128, 64, 8, 3), 128: (128, 64, 8, 3),
           256: (64, 32, 8, 2)}
+# IEEE float32 dots run on the FMA units from registers: smaller tiles compile fast and do not spill.
+FP32_CFG = {16: (64, 32, 4, 2), 32: (64, 32, 4, 2), 64: (32, 32, 4, 2), 128: (32, 32, 4, 2),
+            256: (16, 32, 4, 1)}
 INTERP_CFG = (32, 32, 4, 1)
 
 
@@ -70,9 +73,11 @@ def _warps(bm, bn, dpad):
     return 8 if bm * max(bn, dpad) >= 128 * 128 else 4
 
 
-def _config(block_q, block_k, dpad, overrides=None) -> _Cfg:
+def _config(block_q, block_k, dpad, overrides=None, fp32=False) -> _Cfg:
     if INTERPRET:
         base = {n: INTERP_CFG for n in ("fwd", "dkdv", "dq")}
+    elif fp32:
+        base = {n: FP32_CFG[dpad] for n in ("fwd", "dkdv", "dq")}
     else:
         base = {"fwd": FWD_CFG[dpad], "dkdv": DKDV_CFG[dpad], "dq": DQ_CFG[dpad]}
     cfg = {}
@@ -80,7 +85,7 @@ def _config(block_q, block_k, dpad, overrides=None) -> _Cfg:
         if block_q is not None or block_k is not None:
             bm = block_q if block_q is not None else bm
             bn = block_k if block_k is not None else bn
-            w, st = (4, 1) if INTERPRET else (_warps(bm, bn, dpad), 2)
+            w, st = (4, 1) if INTERPRET else (4 if fp32 else _warps(bm, bn, dpad), 1 if fp32 else 2)
         cfg[name] = (bm, bn, w, st)
     if overrides:
         cfg.update(overrides)
@@ -122,36 +127,44 @@ def _last_dim_contiguous(x):
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _forward(q, k, v, align, scale, precision, cfg: _Cfg, bug: int):
+def _forward(q, k, v, align, scale, precision, cfg: _Cfg, bug: int, out=None):
+    """out=(o, lse) writes into given buffers (the reliability tests pass NaN-filled ones)."""
     b, hq, sq, d = q.shape
     hkv, sk, dv = k.shape[1], k.shape[2], v.shape[3]
     dpad, dvpad = _pad(d), _pad(dv)
-    o = torch.empty((b, hq, sq, dv), device=q.device, dtype=q.dtype)
-    lse = torch.empty((b, hq, sq), device=q.device, dtype=torch.float32)
+    if out is None:
+        o = torch.empty((b, hq, sq, dv), device=q.device, dtype=q.dtype)
+        lse = torch.empty((b, hq, sq), device=q.device, dtype=torch.float32)
+    else:
+        o, lse = out
     _launch(K.attn_fwd, lambda bm, bn: (triton.cdiv(sq, bm), b * hq), cfg.fwd,
             q, k, v, o, lse,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
-            hq, hq // hkv, sq, sk, d, dv, offset(sq, sk, align), scale * K.LOG2E,
+            hq, hq // hkv, sq, sk, d, dv, offset(sq, sk, align), scale * K.LOG2E_F,
             CAUSAL=align is not None, D_PAD=dpad, DV_PAD=dvpad, PAD_D=dpad != d, PAD_DV=dvpad != dv,
             DOT_PREC=precision, BUG=bug)
     return o, lse
 
 
-def _backward(do, q, k, v, o, lse, align, scale, precision, cfg: _Cfg, bug: int):
+def _backward(do, q, k, v, o, lse, align, scale, precision, cfg: _Cfg, bug: int, out=None):
+    """out=(delta, dq, dk, dv) writes into given buffers (the reliability tests pass NaN-filled ones)."""
     b, hq, sq, d = q.shape
     hkv, sk, dv = k.shape[1], k.shape[2], v.shape[3]
     dpad, dvpad = _pad(d), _pad(dv)
     do = _last_dim_contiguous(do)
     off = offset(sq, sk, align)
-    delta = torch.empty((b, hq, sq), device=q.device, dtype=torch.float32)
+    if out is None:
+        delta = torch.empty((b, hq, sq), device=q.device, dtype=torch.float32)
+        dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+        dk = torch.empty_like(k, memory_format=torch.contiguous_format)
+        dvv = torch.empty_like(v, memory_format=torch.contiguous_format)
+    else:
+        delta, dq, dk, dvv = out
     pre_bm = 16 if INTERPRET else 64
     K.attn_bwd_preprocess[(triton.cdiv(sq, pre_bm), b * hq)](
         o, do, delta, o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
         hq, sq, dv, BLOCK_M=pre_bm, DV_PAD=dvpad, PAD_DV=dvpad != dv, BUG=bug)
-    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
-    dk = torch.empty_like(k, memory_format=torch.contiguous_format)
-    dvv = torch.empty_like(v, memory_format=torch.contiguous_format)
     common = dict(CAUSAL=align is not None, D_PAD=dpad, DV_PAD=dvpad, PAD_D=dpad != d, PAD_DV=dvpad != dv,
                   DOT_PREC=precision)
     _launch(K.attn_bwd_dkdv, lambda bm, bn: (triton.cdiv(sk, bn), b * hkv), cfg.dkdv,
@@ -159,13 +172,13 @@ def _backward(do, q, k, v, o, lse, align, scale, precision, cfg: _Cfg, bug: int)
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
             dk.stride(0), dk.stride(1), dk.stride(2), dvv.stride(0), dvv.stride(1), dvv.stride(2),
-            hq, hkv, hq // hkv, sq, sk, d, dv, off, scale * K.LOG2E, scale, **common)
+            hq, hkv, hq // hkv, sq, sk, d, dv, off, scale * K.LOG2E_F, scale, **common)
     _launch(K.attn_bwd_dq, lambda bm, bn: (triton.cdiv(sq, bm), b * hq), cfg.dq,
             q, k, v, do, lse, delta, dq,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
             dq.stride(0), dq.stride(1), dq.stride(2),
-            hq, hq // hkv, sq, sk, d, dv, off, scale * K.LOG2E, scale, **common)
+            hq, hq // hkv, sq, sk, d, dv, off, scale * K.LOG2E_F, scale, **common)
     return dq, dk, dvv
 
 
@@ -203,7 +216,7 @@ def flash_attention(q, k, v, *, causal=False, scale=None, block_q=None, block_k=
                                 or blk & (blk - 1) or blk > 256):
             raise ValueError(f"{WHO}: {label} must be a power of two in 16..256, got {blk!r}")
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    cfg = _config(block_q, block_k, _pad(max(d, dv)), configs)
+    cfg = _config(block_q, block_k, _pad(max(d, dv)), configs, fp32=dtype_name(q) == "float32")
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
     return _FlashAttention.apply(q, k, v, align, scale, precision, cfg, bug)
 

@@ -18,8 +18,9 @@ Conventions shared by every kernel:
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+LOG2E_F = 1.4426950408889634  # host-side float
+LOG2E = tl.constexpr(LOG2E_F)   # kernels may read only constexpr globals
+LN2 = tl.constexpr(0.6931471805599453)
 
 BUGS = {"none": 0, "no_rescale": 1, "lse_base2": 2, "drop_partial_tile": 3, "bwd_no_delta": 4}
 

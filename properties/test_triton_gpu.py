@@ -1,7 +1,8 @@
 """Reliability of the Triton kernels on a CUDA GPU (marker ``gpu``; skipped without CUDA).
 
 - bitwise determinism of forward and backward over repeated runs at batch * heads >= 64;
-- output buffers poisoned with NaN before the call are fully overwritten;
+- output buffers poisoned with NaN before the call are fully overwritten (every kernel is handed
+  NaN-filled output buffers through the launchers' out= hook);
 - values stored past Sk / Sq / D in a longer buffer that is sliced down (filled with NaN)
   never leak into the results, forward or gradients.
 compute-sanitizer (memcheck, racecheck) runs through bench/sanitize.py.
@@ -64,50 +65,45 @@ def test_forward_and_backward_are_bitwise_deterministic(dtype, causal):
             assert torch.equal(a, b), f"{name} differs between identical runs"
 
 
-def _poison_allocator(shapes_dtypes, copies=4):
-    """Fill the caching allocator's free blocks of these sizes with NaN, so torch.empty of the same
-    sizes hands back NaN-filled memory. Returns True when the trick demonstrably worked."""
-    held = []
-    for shape, dt in shapes_dtypes:
-        for _ in range(copies):
-            held.append(torch.full(shape, float("nan"), device="cuda", dtype=dt))
-    torch.cuda.synchronize()
-    del held
-    probe = [torch.empty(shape, device="cuda", dtype=dt) for shape, dt in shapes_dtypes]
-    ok = all(bool(torch.isnan(p).all()) for p in probe)
-    del probe
-    return ok
+def _nan(shape, dtype):
+    return torch.full(shape, float("nan"), device="cuda", dtype=dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal", ["bottom_right", "top_left", False])
-def test_nan_poisoned_output_buffers_are_fully_overwritten(dtype, causal):
+@pytest.mark.parametrize("dims", [(2, 4, 2, 300, 130, 40, 24), (1, 2, 1, 77, 200, 128, 128),
+                                  (1, 3, 3, 129, 129, 64, 16)])
+def test_nan_poisoned_output_buffers_are_fully_overwritten(dtype, causal, dims):
+    """Every kernel writes every element of its outputs: O, LSE, delta, dQ, dK, dV start as NaN."""
     tf = _tf()
-    b, hq, hkv, sq, sk, d, dv = 2, 4, 2, 300, 130, 40, 24  # Sq > Sk: bottom-right has rows that see no key
+    b, hq, hkv, sq, sk, d, dv = dims  # first: Sq > Sk, so bottom-right has rows that see no key
     q, k, v, do = _inputs(b, hq, hkv, sq, sk, d, dv, dtype, seed=1)
-    dt = q.dtype
-    sizes = [((b, hq, sq, dv), dt), ((b, hq, sq), torch.float32), ((b, hq, sq, d), dt),
-             ((b, hkv, sk, d), dt), ((b, hkv, sk, dv), dt)]
-    qg, kg, vg = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
-    assert _poison_allocator(sizes), "could not poison the caching allocator (test would prove nothing)"
-    o, lse = tf.attention(qg, kg, vg, causal=causal)
+    align = tf.alignment(causal)
+    scale = 1 / math.sqrt(d)
+    cfg = lambda: tf._config(None, None, tf._pad(max(d, dv)))  # noqa: E731
+    o, lse = _nan((b, hq, sq, dv), q.dtype), _nan((b, hq, sq), torch.float32)
+    tf._forward(q, k, v, align, scale, "ieee", cfg(), 0, out=(o, lse))
     torch.cuda.synchronize()
     assert not torch.isnan(o).any(), "forward left NaN in O"
     assert not torch.isnan(lse).any(), "forward left NaN in LSE"
-    assert _poison_allocator(sizes)
-    o.backward(do)
+    ref = _run(tf, q, k, v, do, causal=causal)
+    assert torch.equal(o, ref[0]) and torch.equal(lse, ref[1])
+    bufs = (_nan((b, hq, sq), torch.float32), _nan(q.shape, q.dtype), _nan(k.shape, k.dtype), _nan(v.shape, v.dtype))
+    tf._backward(do, q, k, v, o, lse, align, scale, "ieee", cfg(), 0, out=bufs)
     torch.cuda.synchronize()
-    for name, x in (("dq", qg), ("dk", kg), ("dv", vg)):
-        assert not torch.isnan(x.grad).any(), f"backward left NaN in {name}"
-    if causal == "bottom_right":
+    for name, x in zip(("delta", "dq", "dk", "dv"), bufs):
+        assert not torch.isnan(x).any(), f"backward left NaN in {name}"
+    for name, x, r in zip(("dq", "dk", "dv"), bufs[1:], ref[2:]):
+        assert torch.equal(x, r), f"{name} differs from the autograd path"
+    if causal == "bottom_right" and sq > sk:
         hidden = torch.arange(sq, device="cuda") < sq - sk
         assert torch.all(o[:, :, hidden] == 0) and torch.all(lse[:, :, hidden] == -math.inf)
 
 
-def _padded(x, extra_rows, extra_cols):
-    """x as a view into a longer, wider NaN-filled buffer (same values, non-contiguous strides)."""
+def _padded(x, extra_rows, extra_cols, fill=float("nan")):
+    """x as a view into a longer, wider buffer filled with ``fill`` (same values, non-contiguous strides)."""
     b, h, s, d = x.shape
-    buf = torch.full((b, h, s + extra_rows, d + extra_cols), float("nan"), device=x.device, dtype=x.dtype)
+    buf = torch.full((b, h, s + extra_rows, d + extra_cols), fill, device=x.device, dtype=x.dtype)
     buf[:, :, :s, :d] = x
     return buf[:, :, :s, :d]
 
@@ -119,7 +115,8 @@ def _padded(x, extra_rows, extra_cols):
 def test_values_past_the_sliced_length_never_leak(dtype, causal, dims):
     tf = _tf()
     q, k, v, do = _inputs(*dims, dtype, seed=2)
-    ref = _run(tf, q, k, v, do, causal=causal)
+    # the reference reads the same strides (so the same compiled kernel) with zeros past the slice
+    ref = _run(tf, *(_padded(x, 37, 8, 0.0) for x in (q, k, v, do)), causal=causal)
     qs, ks, vs, dos = (_padded(x, 37, 8) for x in (q, k, v, do))
     assert not ks.is_contiguous()
     got = _run(tf, qs, ks, vs, dos, causal=causal)
