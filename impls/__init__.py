@@ -50,6 +50,9 @@ class Implementation:
     def __repr__(self):
         return f"<implementation {self.name}>"
 
+    def _repr_pretty_(self, printer, cycle):  # Hypothesis prints failing arguments through this
+        printer.text(repr(self))
+
     def causal_arg(self, alignment: str | None):
         """The value passed as ``causal=``: a bool, or the alignment when it has several."""
         if alignment is None:
