@@ -26,6 +26,16 @@ class ContractError(ValueError):
     """A plug-in's declaration or location is malformed."""
 
 
+@dataclass(frozen=True)
+class KnownIssue:
+    """A failure already found and reported upstream: the strategies steer around it, and a
+    test checks that ``witness`` (AttentionCase fields) still reproduces it, so a fix is noticed."""
+
+    text: str
+    applies: Callable  # AttentionCase -> bool
+    witness: dict
+
+
 @dataclass(frozen=True, repr=False)
 class Implementation:
     """What one implementation declares it can do; the strategies draw only inside it."""
@@ -41,11 +51,13 @@ class Implementation:
     framework: str = "torch"
     blocks: tuple[int, ...] | str | None = None  # None, "any" (every int >= 1) or allowed sizes
     head_dims: tuple[int, int] = (1, 256)  # inclusive range of D and Dv
+    equal_head_dims: bool = False  # only Dv == D
     seq_multiple: int = 1  # Sq and Sk must be multiples of this
     max_seq: int | None = None
     equal_lengths: bool = False  # only Sq == Sk
     masked_rows: bool = True  # a query row that sees no key gives O = 0 (and LSE = -inf)
     tags: tuple[str, ...] = field(default=())  # extra pytest markers, e.g. "interpreter"
+    known_issues: tuple[KnownIssue, ...] = ()
 
     def __repr__(self):
         return f"<implementation {self.name}>"
@@ -74,8 +86,8 @@ def _as_tuple(value, what: str, allowed: tuple[str, ...], name: str) -> tuple[st
 
 def implementation(*, name: str, causal="bottom_right", dtypes=("float32",), devices=("cpu",),
                    backward=False, gqa=True, lse=False, framework="torch", blocks=None,
-                   head_dims=(1, 256), seq_multiple=1, max_seq=None, equal_lengths=False,
-                   masked_rows=True, tags=(), register=True):
+                   head_dims=(1, 256), equal_head_dims=False, seq_multiple=1, max_seq=None, equal_lengths=False,
+                   masked_rows=True, tags=(), known_issues=(), register=True):
     """Declare an attention function to the suite. See README, "Testing your own kernel"."""
     if not isinstance(name, str) or not name:
         raise ContractError(f"implementation name must be a non-empty string, got {name!r}")
@@ -107,8 +119,10 @@ def implementation(*, name: str, causal="bottom_right", dtypes=("float32",), dev
             raise ContractError(f"implementation {name!r}: decorated object is not callable")
         record = Implementation(name=name, fn=fn, causal=alignments, dtypes=dtypes, devices=devices,
                                 backward=backward, gqa=gqa, lse=lse, framework=framework, blocks=blocks,
-                                head_dims=(lo, hi), seq_multiple=seq_multiple, max_seq=max_seq,
-                                equal_lengths=equal_lengths, masked_rows=masked_rows, tags=tuple(tags))
+                                head_dims=(lo, hi), equal_head_dims=equal_head_dims,
+                                seq_multiple=seq_multiple, max_seq=max_seq,
+                                equal_lengths=equal_lengths, masked_rows=masked_rows, tags=tuple(tags),
+                                known_issues=tuple(known_issues))
         fn.__flashcheck__ = record
         if register:
             REGISTRY[name] = record
