@@ -65,13 +65,13 @@ def _runner(impl, mode, n):
 
 @pytest.mark.parametrize("n", LENGTHS)
 @pytest.mark.parametrize("mode", ["fwd", "fwd+bwd"])
-@pytest.mark.parametrize("impl", ["numpy-tiled", "torch-tiled", "sdpa-math"])
-def test_bench(benchmark, impl, mode, n):
-    if impl == "numpy-tiled" and mode == "fwd+bwd" and n > NUMPY_FWD_BWD_MAX:
+@pytest.mark.parametrize("which", ["numpy-tiled", "torch-tiled", "sdpa-math"])  # not "impl": conftest owns that
+def test_bench(benchmark, which, mode, n):
+    if which == "numpy-tiled" and mode == "fwd+bwd" and n > NUMPY_FWD_BWD_MAX:
         pytest.skip("numpy tiled forward + backward is too slow at this length")
-    benchmark.extra_info.update(impl=impl, mode=mode, n=n)
+    benchmark.extra_info.update(impl=which, mode=mode, n=n)
     rounds = 10 if n <= 512 else 3
-    benchmark.pedantic(_runner(impl, mode, n), rounds=rounds, iterations=1, warmup_rounds=1)
+    benchmark.pedantic(_runner(which, mode, n), rounds=rounds, iterations=1, warmup_rounds=1)
 
 
 def test_torch_tiled_forward_within_1_5x_of_sdpa_math():
