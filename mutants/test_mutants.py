@@ -7,10 +7,21 @@ import pytest
 
 from mutants import harness, tiled
 
+try:
+    from mutants import triton as triton_mutants
+except ImportError:  # no triton here: its mutants cannot run, the NumPy ones still do
+    triton_mutants = None
+
 pytestmark = pytest.mark.mutants
 
 MUTANTS = [(f"mutants/tiled.py:{bug}", what) for bug, what in tiled.BUGS.items()]
-CORRECT = ["mutants/tiled.py:correct", "impls.numpy_ref:tiled_forward"]
+if triton_mutants is not None:
+    MUTANTS += [(f"mutants/triton.py:{bug}", what) for bug, what in triton_mutants.BUGS.items()]
+# The mutants' own correct build is the false-alarm check CI runs; the built-ins pass the
+# main suite already, so repeating them here through the harness is opt-in (slow).
+CORRECT = ["mutants/tiled.py:correct",
+           pytest.param("impls.numpy_ref:tiled_forward", marks=pytest.mark.slow),
+           pytest.param("impls.triton_fused:attention", marks=pytest.mark.slow)]
 RESULTS = harness.RESULTS
 
 
@@ -20,8 +31,10 @@ def small(case) -> bool:
     return case.batch == 1 and case.hkv <= 2 and reach(case.sq, case.block_q) and reach(case.sk, case.block_k)
 
 
-@pytest.mark.parametrize("pins", [True, False], ids=["pinned", "shrunk"])
-@pytest.mark.parametrize("spec,what", MUTANTS, ids=[s.split(":")[-1] for s, _ in MUTANTS])
+# Kills without pins prove what generation and shrinking find alone (CI); with the
+# @example pins they are faster, and that run is opt-in.
+@pytest.mark.parametrize("pins", [pytest.param(True, marks=pytest.mark.slow), False], ids=["pinned", "shrunk"])
+@pytest.mark.parametrize("spec,what", MUTANTS, ids=[s.split("/")[-1].replace(".py:", "-") for s, _ in MUTANTS])
 def test_mutant_is_killed_with_a_small_case(spec, what, pins):
     verdict = harness.run_suite(spec, pins=pins)
     RESULTS.append((spec, what, pins, verdict))
