@@ -9,6 +9,7 @@ import os
 import re
 
 import pytest
+from hypothesis import settings
 
 from impls.call import cuda_available
 
@@ -41,12 +42,19 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
+    chosen = config.getoption("hypothesis_profile", None)
+    if chosen:  # Hypothesis's plugin loads it too, but maybe after this hook: the lane depends on it
+        settings.load_profile(chosen)
     specs = config.getoption("--impl") or [s.strip() for s in os.environ.get("FLASHCHECK_IMPL", "").split(",")
                                            if s.strip()]
     try:
-        config.flashcheck_impls = [load(s) for s in specs] if specs else builtins()
+        impls = [load(s) for s in specs] if specs else builtins()
     except ContractError as exc:
         raise pytest.UsageError(str(exc)) from exc
+    if not specs and fs_draw.limits() is fs_draw.LIMITS["gpu"]:
+        # the gpu profile's long sequences are for device kernels; CPU ones have their own lane
+        impls = [i for i in impls if "cuda" in i.devices]
+    config.flashcheck_impls = impls
 
 
 def _marks(impl, needs):

@@ -30,7 +30,9 @@ DIMS = (1, 2, 3, 5, 7, 8, 16, 24, 31, 32, 33, 40, 48, 64, 80, 96, 100, 128, 160,
 
 
 def _profile() -> str:
-    return settings.get_current_profile_name().removesuffix("-nopins")
+    current = getattr(settings, "get_current_profile_name", None)  # Hypothesis >= 6.9x
+    name = current() if current else getattr(settings, "_current_profile", "default")
+    return (name or "default").removesuffix("-nopins")
 
 
 def limits() -> dict:
