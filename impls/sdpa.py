@@ -31,6 +31,7 @@ strategies steer around it and properties/test_known_issues.py checks it still r
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -46,18 +47,21 @@ except ImportError as exc:  # torch < 2.3: no per-backend selection, so nothing 
 ALL_DTYPES = ("float64", "float32", "float16", "bfloat16")
 
 
-def _probe_gqa() -> bool:
-    """enable_gqa arrived in torch 2.5; a tiny call is more reliable than reading the signature."""
+def runs(backend, device="cpu", dtype=torch.float32, gqa=False) -> bool:
+    """Does this backend run here (with enable_gqa, when asked)? One tiny call says it best:
+    enable_gqa arrived in torch 2.5 and reached the fused backends later; kernels need a GPU arch."""
     try:
-        x = torch.zeros(1, 2, 1, 1)
-        with sdpa_kernel(SDPBackend.MATH):
-            F.scaled_dot_product_attention(x, x[:, :1], x[:, :1], enable_gqa=True)
+        q = torch.zeros(1, 2, 4, 8, device=device, dtype=dtype)
+        kv = q[:, :1].contiguous() if gqa else q
+        with warnings.catch_warnings(), sdpa_kernel(backend):
+            warnings.simplefilter("ignore")  # a refusing backend explains itself in warnings
+            F.scaled_dot_product_attention(q, kv, kv, **({"enable_gqa": True} if gqa else {}))
         return True
     except (TypeError, RuntimeError):
         return False
 
 
-HAS_GQA = _probe_gqa()
+HAS_GQA = runs(SDPBackend.MATH, gqa=True)
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -98,8 +102,8 @@ def call_sdpa(q, k, v, *, backend, causal: bool, scale, head_dim_multiple=1, min
     return o[..., :dv] if dvp != dv else o
 
 
-def _register(name, backend, *, devices, dtypes, head_dims=(1, 256), equal_head_dims=False, known_issues=(),
-              **adapt):
+def _register(name, backend, *, devices, dtypes, gqa=HAS_GQA, head_dims=(1, 256), equal_head_dims=False,
+              known_issues=(), **adapt):
     who = name
 
     def attention(q, k, v, *, causal=False, scale=None):
@@ -111,8 +115,8 @@ def _register(name, backend, *, devices, dtypes, head_dims=(1, 256), equal_head_
         if q.device.type not in devices:
             raise ValueError(f"{who}: unsupported device {q.device}; supported: {', '.join(devices)}")
         _, hq, hkv, _, _, d, dv = check_inputs(q, k, v, dtypes=dtypes, who=who)
-        if hq != hkv and not HAS_GQA:
-            raise ValueError(f"{who}: this torch ({torch.__version__}) has no enable_gqa; Hq must equal Hkv")
+        if hq != hkv and not gqa:
+            raise ValueError(f"{who}: no GQA here (torch {torch.__version__}); Hq must equal Hkv, got {hq} and {hkv}")
         lo, hi = head_dims
         if not (lo <= d <= hi and lo <= dv <= hi):
             raise ValueError(f"{who}: head dims D={d}, Dv={dv} outside the supported range [{lo}, {hi}]")
@@ -128,7 +132,7 @@ def _register(name, backend, *, devices, dtypes, head_dims=(1, 256), equal_head_
     attention.__name__ = attention.__qualname__ = name.replace("-", "_")
     attention.__doc__ = f"torch SDPA pinned to SDPBackend.{backend.name} (see impls/sdpa.py)."
     implementation(name=name, causal=("top_left",), dtypes=dtypes, devices=devices, backward=True,
-                   gqa=HAS_GQA, lse=False, framework="torch", head_dims=head_dims, equal_head_dims=equal_head_dims,
+                   gqa=gqa, lse=False, framework="torch", head_dims=head_dims, equal_head_dims=equal_head_dims,
                    known_issues=known_issues)(attention)
     return attention
 
@@ -142,24 +146,30 @@ CPU_FLASH_CAUSAL_NONPOSITIVE_SCALE = KnownIssue(
 )
 
 _CUDA = torch.cuda.is_available()
-_SM80 = _CUDA and torch.cuda.get_device_capability() >= (8, 0)
 
 math_attention = _register("sdpa-math", SDPBackend.MATH, devices=("cpu", "cuda") if _CUDA else ("cpu",),
                            dtypes=ALL_DTYPES)
 
 if _CUDA:
     # The suite runs a declared CUDA implementation on CUDA when it is present, so each fused backend
-    # is registered for the device whose kernel it names.
-    if _SM80 and getattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)():
+    # is registered for the device whose kernel it names, and only if it runs on this GPU.
+    def _cuda(backend):
+        return {"gqa": runs(backend, "cuda", torch.float16, gqa=True)}
+
+    if runs(SDPBackend.FLASH_ATTENTION, "cuda", torch.float16):
         flash_attention = _register("sdpa-flash", SDPBackend.FLASH_ATTENTION, devices=("cuda",),
-                                    dtypes=("float16", "bfloat16"), equal_head_dims=True, square_causal=True)
-    efficient_attention = _register("sdpa-efficient", SDPBackend.EFFICIENT_ATTENTION, devices=("cuda",),
-                                    dtypes=("float32", "float16", "bfloat16"), head_dim_multiple=8)
-    if _SM80 and torch.backends.cudnn.is_available():
+                                    dtypes=("float16", "bfloat16"), equal_head_dims=True, square_causal=True,
+                                    **_cuda(SDPBackend.FLASH_ATTENTION))
+    if runs(SDPBackend.EFFICIENT_ATTENTION, "cuda", torch.float16):
+        efficient_attention = _register("sdpa-efficient", SDPBackend.EFFICIENT_ATTENTION, devices=("cuda",),
+                                        dtypes=("float32", "float16", "bfloat16"), head_dim_multiple=8,
+                                        **_cuda(SDPBackend.EFFICIENT_ATTENTION))
+    if runs(SDPBackend.CUDNN_ATTENTION, "cuda", torch.float16):
         cudnn_attention = _register("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION, devices=("cuda",),
                                     dtypes=("float16", "bfloat16"), head_dims=(1, 128), head_dim_multiple=8,
-                                    min_keys=2)
-else:
+                                    min_keys=2, **_cuda(SDPBackend.CUDNN_ATTENTION))
+elif runs(SDPBackend.FLASH_ATTENTION):
     # The CPU flash kernel (aten _scaled_dot_product_flash_attention_for_cpu).
     flash_attention = _register("sdpa-flash", SDPBackend.FLASH_ATTENTION, devices=("cpu",), dtypes=ALL_DTYPES,
-                                equal_head_dims=True, known_issues=[CPU_FLASH_CAUSAL_NONPOSITIVE_SCALE])
+                                equal_head_dims=True, known_issues=[CPU_FLASH_CAUSAL_NONPOSITIVE_SCALE],
+                                gqa=runs(SDPBackend.FLASH_ATTENTION, gqa=True))
