@@ -104,13 +104,14 @@ def implementation(*, name: str, causal="bottom_right", dtypes=("float32",), dev
                             "callable bwd(q, k, v, o, lse, do, *, causal, scale) -> (dq, dk, dv)")
     if framework == "numpy" and devices != ("cpu",):
         raise ContractError(f"implementation {name!r}: numpy implementations run on cpu only")
-    if not (isinstance(blocks, tuple) and all(isinstance(b, int) and b >= 1 for b in blocks) and blocks
-            or blocks in (None, "any")):
+    sizes_ok = isinstance(blocks, tuple) and blocks and all(isinstance(b, int) and b >= 1 for b in blocks)
+    if not (sizes_ok or blocks in (None, "any")):
         raise ContractError(f"implementation {name!r}: blocks must be None, 'any' or a tuple of ints >= 1, "
                             f"got {blocks!r}")
     lo, hi = head_dims
     if not 1 <= lo <= hi:
-        raise ContractError(f"implementation {name!r}: head_dims must be (lo, hi) with 1 <= lo <= hi, got {head_dims!r}")
+        raise ContractError(f"implementation {name!r}: head_dims must be (lo, hi) with 1 <= lo <= hi, "
+                            f"got {head_dims!r}")
     if not isinstance(seq_multiple, int) or seq_multiple < 1:
         raise ContractError(f"implementation {name!r}: seq_multiple must be an int >= 1, got {seq_multiple!r}")
 
@@ -152,7 +153,8 @@ def load(spec: str) -> Implementation:
         try:
             module = importlib.import_module(target)
         except Exception as exc:
-            raise ContractError(f"--impl {spec!r}: cannot import module {target!r}: {type(exc).__name__}: {exc}") from exc
+            raise ContractError(f"--impl {spec!r}: cannot import module {target!r}: "
+                                f"{type(exc).__name__}: {exc}") from exc
     fn = getattr(module, attr, None)
     if fn is None:
         raise ContractError(f"--impl {spec!r}: module {target!r} has no attribute {attr!r}")

@@ -40,7 +40,8 @@ def test_masked_positions_get_exactly_zero_gradient(impl, case):
     res = ph.backward(impl, case)
     for name, grad, idx in (("dq", res.dq, rows), ("dk", res.dk, keys), ("dv", res.dv, keys)):
         part = grad[:, :, idx]
-        assert np.all(part == 0), f"{impl.name}: expected {name} = 0 at masked positions {idx.tolist()}, got {part[part != 0][:5]}\n  case: {case!r}"
+        assert np.all(part == 0), (f"{impl.name}: expected {name} = 0 at masked positions {idx.tolist()}, "
+                                   f"got {part[part != 0][:5]}\n  case: {case!r}")
 
 
 @given(case=fs.cases(dtypes=("float64",), regimes=("plain", "equal", "ties", "dominant", "heavy")))

@@ -25,7 +25,8 @@ pytestmark = pytest.mark.properties
 def test_output_matches_dense_float64(impl, case):
     case = fs.fit(impl, case)
     res = ph.forward(impl, case)
-    assert res.dtype == case.dtype, f"{impl.name}: expected output dtype {case.dtype}, got {res.dtype}\n  case: {case!r}"
+    assert res.dtype == case.dtype, (
+        f"{impl.name}: expected output dtype {case.dtype}, got {res.dtype}\n  case: {case!r}")
     orc.compare(case, "o", res.o, who=impl.name)
 
 
@@ -49,10 +50,12 @@ def test_rows_that_see_no_key_give_zero_and_minus_inf(impl, case):
     note(f"masked rows: {rows.tolist()}")
     res = ph.forward(impl, case)
     o = res.o[:, :, rows]
-    assert np.all(o == 0), f"{impl.name}: expected O = 0 on rows {rows.tolist()} that see no key, got {o[o != 0][:5]}\n  case: {case!r}"
+    assert np.all(o == 0), (
+        f"{impl.name}: expected O = 0 on rows {rows.tolist()} that see no key, got {o[o != 0][:5]}\n  case: {case!r}")
     if res.lse is not None:
         lse = res.lse[:, :, rows]
-        assert np.all(lse == -np.inf), f"{impl.name}: expected LSE = -inf on masked rows, got {lse[lse != -np.inf][:5]}\n  case: {case!r}"
+        assert np.all(lse == -np.inf), (
+            f"{impl.name}: expected LSE = -inf on masked rows, got {lse[lse != -np.inf][:5]}\n  case: {case!r}")
     assert np.isfinite(res.o).all(), f"{impl.name}: non-finite output elsewhere\n  case: {case!r}"
 
 
@@ -71,7 +74,8 @@ def test_output_lies_within_the_visible_values(impl, case):
     slack, _ = orc.allowed(case, "o")
     below, above = lo - slack - res.o, res.o - hi - slack
     worst = max(below.max(initial=0), above.max(initial=0))
-    assert worst <= 0, f"{impl.name}: output leaves [min, max] of visible values by {worst:.3e} (slack {slack:.3e})\n  case: {case!r}"
+    assert worst <= 0, (
+        f"{impl.name}: output leaves [min, max] of visible values by {worst:.3e} (slack {slack:.3e})\n  case: {case!r}")
 
 
 @given(case=fs.cases(regimes=("equal",)))
