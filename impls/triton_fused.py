@@ -12,8 +12,11 @@
   ``precision``: "ieee" (default: true float32 products, what the registered implementation uses and
   what the suite's float32 tolerance needs) or "tf32" (tensor cores, ~1e-3 relative error).
 - block_q / block_k (powers of two >= 16) pin the tile sizes of every kernel; None picks the tuned
-  default for the device, dtype and head dim. On a GPU a tile whose shared memory would not fit is
-  halved (largest block first) until it does.
+  default for the device, dtype and head dim. On a GPU, before compiling, a tile whose shared memory
+  would exceed 227 KiB is lowered (pipeline stages first, then the larger block, halving), and
+  float32 tiles are capped at BLOCK_M * BLOCK_N * D_PAD <= 2**17 (the IEEE FMA path compiles for
+  minutes beyond that: 128 x 128 x 256 took 10 minutes); results do not depend on the tile sizes.
+  Under the interpreter the pinned sizes are used as given.
 - deterministic: no atomics; for GQA the dK/dV program loops over the group's query heads.
 
 Runs on CUDA tensors, or on CPU tensors when TRITON_INTERPRET=1 was set before triton was imported
@@ -90,6 +93,42 @@ def _config(block_q, block_k, dpad, overrides=None, fp32=False) -> _Cfg:
     if overrides:
         cfg.update(overrides)
     return _Cfg(cfg["fwd"], cfg["dkdv"], cfg["dq"])
+
+
+SMEM_BUDGET = 227 * 1024  # bytes per program: the most an H100/H200 block may use
+FP32_WORK = 1 << 17  # BLOCK_M * BLOCK_N * D_PAD cap for IEEE float32 (FMA path: compile time grows with it)
+
+
+def _smem(name, bm, bn, st, esize, dp, dvp):
+    """Shared memory the kernel's tiles take (matches Triton's allocation for these kernels on sm_90
+    to within a few hundred bytes): the resident tile plus num_stages copies of the streamed ones."""
+    if name == "fwd":
+        return esize * (bm * dp + max(st, 1) * bn * (dp + dvp))
+    if name == "dkdv":
+        return esize * (bn * (dp + dvp) + max(st, 1) * bm * (dp + dvp))
+    return esize * (bm * (dp + dvp) + max(st, 1) * bn * (dp + dvp))  # dq
+
+
+def _fit(cfg: _Cfg, esize, dp, dvp):
+    """Lower tiles that would not fit (stages first, then the larger block, never below 16), and cap
+    float32 tiles, before anything is compiled: a compile that then fails costs seconds to minutes."""
+    for name in ("fwd", "dkdv", "dq"):
+        c = getattr(cfg, name)
+        while True:
+            bm, bn, w, st = c
+            over = _smem(name, bm, bn, st, esize, dp, dvp) > SMEM_BUDGET or (
+                esize == 4 and bm * bn * max(dp, dvp) > FP32_WORK)
+            if not over or max(bm, bn) <= 16 and st <= 1:
+                break
+            if st > 2 or (st == 2 and max(bm, bn) <= 16):
+                c[3] = st - 1
+            elif bm >= bn and bm > 16:
+                c[0] = bm // 2
+            elif bn > 16:
+                c[1] = bn // 2
+            else:
+                c[3] = st - 1
+    return cfg
 
 
 def _launch(kernel, grid_fn, cfg, *args, **constexprs):
@@ -217,6 +256,8 @@ def flash_attention(q, k, v, *, causal=False, scale=None, block_q=None, block_k=
             raise ValueError(f"{WHO}: {label} must be a power of two in 16..256, got {blk!r}")
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     cfg = _config(block_q, block_k, _pad(max(d, dv)), configs, fp32=dtype_name(q) == "float32")
+    if not INTERPRET:
+        cfg = _fit(cfg, q.element_size(), _pad(d), _pad(dv))
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
     return _FlashAttention.apply(q, k, v, align, scale, precision, cfg, bug)
 
