@@ -133,10 +133,19 @@ def implementation(*, name: str, causal="bottom_right", dtypes=("float32",), dev
 
 
 def load(spec: str) -> Implementation:
-    """Import ``path/to/file.py:function`` or ``package.module:function`` and return its record."""
+    """Import ``path/to/file.py:function`` or ``package.module:function`` and return its record.
+
+    A bare name selects a built-in implementation (``--impl torch-tiled``).
+    """
+    if ":" not in spec and not spec.endswith(".py"):
+        named = {impl.name: impl for impl in builtins()}
+        if spec not in named:
+            raise ContractError(f"--impl {spec!r}: not a built-in implementation here ({', '.join(named)}); "
+                                "expected FILE.py:function, module:function or a built-in name")
+        return named[spec]
     target, sep, attr = spec.rpartition(":")
     if not sep or not target or not attr:
-        raise ContractError(f"--impl {spec!r}: expected FILE.py:function or module:function")
+        raise ContractError(f"--impl {spec!r}: expected FILE.py:function, module:function or a built-in name")
     if target.endswith(".py") or "/" in target:
         path = Path(target).resolve()
         if not path.is_file():
@@ -167,7 +176,7 @@ def load(spec: str) -> Implementation:
 
 def spec_of(impl: Implementation) -> str:
     """A spec that ``load`` turns back into this implementation."""
-    return SPECS.get(impl.name) or f"{impl.fn.__module__}:{impl.fn.__name__}"
+    return SPECS.get(impl.name) or impl.name
 
 
 def builtins() -> list[Implementation]:

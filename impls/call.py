@@ -16,6 +16,7 @@ class Result:
     dk: np.ndarray | None = None
     dv: np.ndarray | None = None
     dtype: str = ""  # the dtype the implementation returned O in
+    lse_dtype: str = ""
     inputs_after: tuple = ()  # q, k, v as the implementation left them
 
 
@@ -57,7 +58,7 @@ def run(impl: Implementation, case, q, k, v, do=None, *, device=None) -> Result:
         qn, kn, vn = (x.astype(case.dtype) for x in (q, k, v))
         o, lse = _split(impl, impl.fn(qn, kn, vn, **kw), impl.name)
         res = Result(np.asarray(o, np.float64), None if lse is None else np.asarray(lse, np.float64),
-                     dtype=str(np.asarray(o).dtype))
+                     dtype=str(np.asarray(o).dtype), lse_dtype="" if lse is None else str(np.asarray(lse).dtype))
         if do is not None:
             grads = impl.backward(qn, kn, vn, o, lse, do.astype(case.dtype), **kw)
             res.dq, res.dk, res.dv = (np.asarray(g, np.float64) for g in grads)
@@ -70,7 +71,8 @@ def run(impl: Implementation, case, q, k, v, do=None, *, device=None) -> Result:
     qt, kt, vt = (torch.from_numpy(x).to(device=device, dtype=dt).requires_grad_(do is not None)
                   for x in (q, k, v))
     o, lse = _split(impl, impl.fn(qt, kt, vt, **kw), impl.name)
-    res = Result(_np(o), None if lse is None else _np(lse), dtype=str(o.dtype).removeprefix("torch."))
+    res = Result(_np(o), None if lse is None else _np(lse), dtype=str(o.dtype).removeprefix("torch."),
+                 lse_dtype="" if lse is None else str(lse.dtype).removeprefix("torch."))
     if do is not None:
         o.backward(torch.from_numpy(do).to(device=device, dtype=o.dtype))
         res.dq, res.dk, res.dv = (_np(x.grad) if x.grad is not None else np.zeros(x.shape) for x in (qt, kt, vt))

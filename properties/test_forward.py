@@ -38,6 +38,8 @@ def test_output_matches_dense_float64(impl, case):
 def test_lse_is_natural_log_sum_exp_of_scaled_logits(impl, case):
     case = fs.fit(impl, case)
     res = ph.forward(impl, case)
+    want = orc.result_dtype(case.dtype, "lse")
+    assert res.lse_dtype == want, f"{impl.name}: expected LSE in {want}, got {res.lse_dtype}\n  case: {case!r}"
     orc.compare(case, "lse", res.lse, who=impl.name)
 
 

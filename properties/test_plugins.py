@@ -23,6 +23,7 @@ def test_load_by_file_and_by_module_give_the_declared_record():
     by_module = load("impls.numpy_ref:tiled_forward")
     assert by_file.name == "numpy-rowwise" and by_file.framework == "numpy"
     assert by_module.name == "numpy-tiled" and by_module.blocks == "any"
+    assert load("numpy-dense").name == "numpy-dense"  # a built-in by its name
 
 
 @pytest.mark.parametrize("spec,words", [
@@ -31,6 +32,7 @@ def test_load_by_file_and_by_module_give_the_declared_record():
     ("impls.checks:check_inputs", "not decorated"),
     ("no_such_module_xyz:f", "cannot import module"),
     ("examples/numpy_rowwise.py", "expected FILE.py:function"),
+    ("no-such-builtin", "not a built-in implementation"),
 ])
 def test_a_bad_impl_spec_gets_an_error_naming_it(spec, words):
     with pytest.raises(ContractError, match=words):

@@ -116,11 +116,14 @@ def _inputs(case: AttentionCase):
         peak = np.abs(_logits(case, q, k)).max()
         q *= min(1.5 * over / max(peak, 1e-300), cap / np.abs(q).max())
     elif case.regime == "negative" and scale > 0:
-        # every key shares a direction u that every query opposes: all logits of a row are
-        # about -2x the overflow point, so exp() of each underflows to 0 without max subtraction
+        # every key leans along u and every query against it, so every logit is negative;
+        # q is then stretched until the largest logit of all is 2x the overflow point below
+        # zero: exp() of each underflows to 0 without max subtraction
         u = _unit(rng, d)
-        k = u + 0.1 * k
-        q = -min(2 * over / scale, cap) * u + 0.1 * q
+        k = u + 0.1 * k / math.sqrt(d)
+        q = -(u + 0.1 * q / math.sqrt(d))
+        top = _logits(case, q, k).max()  # about -scale; positive only past a 7-sigma draw
+        q *= min(2 * over / max(-top, 1e-300), cap / np.abs(q).max())
     elif case.regime == "equal":
         k = np.broadcast_to(k[:, :, :1], k.shape).copy()  # identical keys: uniform scores
     elif case.regime == "dominant" and scale > 0:
