@@ -12,7 +12,8 @@ the whole group, and in the backward the same bmm sums dK and dV over the group 
 
 The Python loops run over tiles only (query tiles x key tiles); every tile operation is
 a batched matmul or an elementwise op over (batch x kv heads). fp16/bf16 inputs are
-computed in float32, float64 in float64; outputs come back in the input dtype.
+computed in float32, float64 in float64; O and the gradients come back in the input dtype,
+the LSE in the compute dtype (float32 for half types, as in FlashAttention).
 """
 from __future__ import annotations
 
@@ -154,7 +155,9 @@ class TiledAttention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, og, lse)
         ctx.cfg = dict(align=align, scale=scale, block_q=block_q, block_k=block_k)
         o = _ungrouped(og, b, hkv).to(q.dtype)
-        lse_out = _ungrouped(lse, b, hkv).to(q.dtype)
+        # LSE stays in the compute dtype (float32 for fp16/bf16, as FlashAttention returns it):
+        # it overflows float16 long before the logits do, and needs more than 11 bits anyway.
+        lse_out = _ungrouped(lse, b, hkv).clone()
         ctx.mark_non_differentiable(lse_out)
         return o, lse_out
 
@@ -186,7 +189,8 @@ def _check_devices(q, k, v):
 @implementation(name=WHO, causal=("bottom_right", "top_left"), dtypes=DTYPES, devices=("cpu", "cuda"),
                 backward=True, gqa=True, lse=True, framework="torch", blocks="any")
 def attention(q, k, v, *, causal=False, scale=None, block_q=256, block_k=256):
-    """Tiled FlashAttention. Returns (O, LSE) in the input dtype; differentiable in q, k, v.
+    """Tiled FlashAttention. Returns O in the input dtype and LSE (float32 for fp16/bf16 inputs);
+    differentiable in q, k, v.
 
     causal: False, True (= "bottom_right"), "bottom_right" or "top_left" (DESIGN.md).
     scale: None means 1/sqrt(D); any float, 0.0 included, is used as given.
