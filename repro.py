@@ -79,7 +79,7 @@ def main(argv=None) -> int:
             continue
         try:
             orc.compare(case, name, got, who=impl.name)
-            print(f"  {name:4} ok    max error {orc._max_err(got, orc.truth(case)[name]):.3e} "
+            print(f"  {name:4} ok    max error {orc.max_error(got, orc.truth(case)[name], orc.result_dtype(case.dtype, name)):.3e} "
                   f"<= allowed {orc.allowed(case, name)[0]:.3e}")
         except AssertionError as exc:
             failed += 1

@@ -81,7 +81,8 @@ def quantize(x: np.ndarray, dtype: str) -> np.ndarray:
     if dtype == "float64":
         return x.astype(np.float64)
     if dtype in ("float32", "float16"):
-        return x.astype(dtype).astype(np.float64)
+        with np.errstate(over="ignore"):  # beyond the range rounds to inf, as the hardware does
+            return x.astype(dtype).astype(np.float64)
     # bfloat16 = the top 16 bits of a float32, rounded to nearest even
     bits = x.astype(np.float32).view(np.uint32).astype(np.uint64)
     bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16

@@ -18,7 +18,7 @@ settings.register_profile("default", max_examples=40, deadline=None, suppress_he
                           phases=_NO_EXPLAIN)
 settings.register_profile("ci", max_examples=25, derandomize=True, database=None, deadline=None,
                           suppress_health_check=_SLOW_OK, phases=_NO_EXPLAIN, print_blob=True)
-settings.register_profile("gpu", max_examples=60, deadline=None, suppress_health_check=_SLOW_OK,
+settings.register_profile("gpu", max_examples=30, deadline=None, suppress_health_check=_SLOW_OK,
                           phases=_NO_EXPLAIN)
 settings.register_profile("thorough", max_examples=2000, deadline=None, suppress_health_check=_SLOW_OK)
 
