@@ -79,7 +79,8 @@ def main(argv=None) -> int:
             continue
         try:
             orc.compare(case, name, got, who=impl.name)
-            print(f"  {name:4} ok    max error {orc.max_error(got, orc.truth(case)[name], orc.result_dtype(case.dtype, name)):.3e} "
+            worst = orc.max_error(got, orc.truth(case)[name], orc.result_dtype(case.dtype, name))
+            print(f"  {name:4} ok    max error {worst:.3e} "
                   f"<= allowed {orc.allowed(case, name)[0]:.3e}")
         except AssertionError as exc:
             failed += 1

@@ -43,7 +43,7 @@ REGIONS = {
 
 @pytest.mark.parametrize("region", sorted(REGIONS))
 def test_cases_can_reach(region):
-    found = find(fs.cases(), REGIONS[region], settings=SEARCH)
+    found = find(fs.cases(dtypes=fs.draw.DEFAULT_DTYPES), REGIONS[region], settings=SEARCH)
     assert REGIONS[region](found)
 
 
@@ -116,7 +116,7 @@ def test_fit_is_idempotent_and_stays_within_declarations(data):
 
 def test_shrinking_reaches_the_plainest_case():
     """With a property that always fails, the shrinker must end at the minimal case."""
-    assert find(fs.cases(), lambda c: True, settings=SEARCH) == Case(block_q=1, block_k=1)
+    assert find(fs.cases(dtypes=fs.draw.DEFAULT_DTYPES), lambda c: True, settings=SEARCH) == Case(block_q=1, block_k=1)
 
 
 def test_oracle_floor_admits_an_exact_answer_when_dense_error_is_zero():
