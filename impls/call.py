@@ -81,4 +81,6 @@ def run(impl: Implementation, case, q, k, v, do=None, *, device=None) -> Result:
 
 
 def _np(t):
-    return t.detach().to("cpu", dtype=__import__("torch").float64).numpy()
+    import torch
+
+    return t.detach().to("cpu", dtype=torch.float64).numpy()

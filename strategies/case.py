@@ -48,7 +48,8 @@ class AttentionCase:
         if self.dtype not in EPS:
             raise ValueError(f"dtype must be one of {tuple(EPS)}, got {self.dtype!r}")
 
-    replace = replace
+    def replace(self, **changes) -> "AttentionCase":
+        return replace(self, **changes)
 
     @property
     def effective_scale(self) -> float:
