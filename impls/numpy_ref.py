@@ -151,11 +151,7 @@ def tiled_backward(q, k, v, o, lse, do, *, causal=False, scale=None, block_q=16,
     return dq.reshape(q.shape), dk, dvv
 
 
-def _tiled_bwd_entry(q, k, v, o, lse, do, *, causal=False, scale=None, block_q=16, block_k=16):
-    return tiled_backward(q, k, v, o, lse, do, causal=causal, scale=scale, block_q=block_q, block_k=block_k)
-
-
 implementation(name="numpy-dense", causal=("bottom_right", "top_left"), dtypes=DTYPES, devices=("cpu",),
                backward=dense_backward, gqa=True, lse=True, framework="numpy")(dense_forward)
 implementation(name="numpy-tiled", causal=("bottom_right", "top_left"), dtypes=DTYPES, devices=("cpu",),
-               backward=_tiled_bwd_entry, gqa=True, lse=True, framework="numpy", blocks="any")(tiled_forward)
+               backward=tiled_backward, gqa=True, lse=True, framework="numpy", blocks="any")(tiled_forward)
