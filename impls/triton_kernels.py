@@ -71,28 +71,38 @@ def _key_range(m0, Sk, OFF, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL
 # ----------------------------------------------------------------------------------- forward
 
 @triton.jit
+def _kv_tile(q, k_base, v_base, skn, svn, offs_n, offs_m, Sk, D, Dv, OFF, qk_scale,
+             MASKED: tl.constexpr, CAUSAL: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
+             PAD_D: tl.constexpr, PAD_DV: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Load one key/value tile and its scaled scores; masked keys (past Sk, or in a row's future) get -inf."""
+    offs_d = tl.arange(0, D_PAD)
+    offs_dv = tl.arange(0, DV_PAD)
+    k = _load2d(k_base + offs_n[:, None] * skn + offs_d[None, :], offs_n, Sk, offs_d, D, MASKED, PAD_D)
+    v = _load2d(v_base + offs_n[:, None] * svn + offs_dv[None, :], offs_n, Sk, offs_dv, Dv, MASKED, PAD_DV)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+    if MASKED:
+        keep = offs_n[None, :] < Sk
+        if CAUSAL:
+            keep = keep & (offs_n[None, :] <= offs_m[:, None] + OFF)
+        s = tl.where(keep, s, float("-inf"))
+    return k, v, s
+
+
+@triton.jit
 def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, skn, svn, lo, hi, offs_m, Sk, D, Dv, OFF, qk_scale,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr,
                DV_PAD: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr, DOT_PREC: tl.constexpr,
                BUG: tl.constexpr):
     offs_n0 = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, D_PAD)
-    offs_dv = tl.arange(0, DV_PAD)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n0
-        k = _load2d(k_base + offs_n[:, None] * skn + offs_d[None, :], offs_n, Sk, offs_d, D, MASKED, PAD_D)
-        v = _load2d(v_base + offs_n[:, None] * svn + offs_dv[None, :], offs_n, Sk, offs_dv, Dv, MASKED, PAD_DV)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+        k, v, s = _kv_tile(q, k_base, v_base, skn, svn, offs_n, offs_m, Sk, D, Dv, OFF, qk_scale,
+                           MASKED, CAUSAL, D_PAD, DV_PAD, PAD_D, PAD_DV, DOT_PREC)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
         if MASKED:
-            keep = offs_n[None, :] < Sk
-            if CAUSAL:
-                keep = keep & (offs_n[None, :] <= offs_m[:, None] + OFF)
-            s = tl.where(keep, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
             # a row that has seen no key yet keeps m = -inf; shift it by 0 so exp2 gives 0, not NaN
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
-            m_new = tl.maximum(m_i, tl.max(s, 1))
             m_use = m_new
         p = tl.exp2(s - m_use[:, None])
         alpha = tl.exp2(m_i - m_use)
@@ -257,18 +267,10 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, skn, svn, lo, hi, offs_m, 
               MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr,
               DV_PAD: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr, DOT_PREC: tl.constexpr):
     offs_n0 = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, D_PAD)
-    offs_dv = tl.arange(0, DV_PAD)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n0
-        k = _load2d(k_base + offs_n[:, None] * skn + offs_d[None, :], offs_n, Sk, offs_d, D, MASKED, PAD_D)
-        v = _load2d(v_base + offs_n[:, None] * svn + offs_dv[None, :], offs_n, Sk, offs_dv, Dv, MASKED, PAD_DV)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
-        if MASKED:
-            keep = offs_n[None, :] < Sk
-            if CAUSAL:
-                keep = keep & (offs_n[None, :] <= offs_m[:, None] + OFF)
-            s = tl.where(keep, s, float("-inf"))
+        k, v, s = _kv_tile(q, k_base, v_base, skn, svn, offs_n, offs_m, Sk, D, Dv, OFF, qk_scale,
+                           MASKED, CAUSAL, D_PAD, DV_PAD, PAD_D, PAD_DV, DOT_PREC)
         p = tl.exp2(s - lse2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
         ds = p * (dp - delta[:, None])
