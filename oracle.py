@@ -57,11 +57,11 @@ def _group(case, x):
 def truth(case: AttentionCase) -> Truth:
     """Dense float64 attention and its analytic gradients on the case's inputs."""
     q, k, v, do = case.inputs()
-    kw = dict(causal=case.causal or False, scale=case.scale)
+    kw = case.reference_kwargs()
     o, lse = numpy_ref.dense_forward(q, k, v, **kw)
     dq, dk, dv = numpy_ref.dense_backward(q, k, v, o, lse, do, **kw)
     # |P|-weighted sums of absolute values bound the rounding of each result's sum.
-    p, _, (qg, kg, vg, sc, _) = numpy_ref.dense_probs(q, k, v, kw["causal"], case.scale, "oracle")
+    p, _, (qg, kg, vg, sc, _) = numpy_ref.dense_probs(q, k, v, kw["causal"], kw["scale"], "oracle")
     s = sc * (qg @ np.swapaxes(kg, -1, -2))
     dog, og = _group(case, do), _group(case, o)
     abs_ds = p * (np.abs(dog) @ np.abs(np.swapaxes(vg, -1, -2)) + np.abs((dog * og).sum(-1))[..., None])
@@ -186,4 +186,4 @@ def compare(case: AttentionCase, name: str, got: np.ndarray, want: np.ndarray | 
 
 def dense64(case: AttentionCase, q, k, v) -> np.ndarray:
     """Dense float64 output for the case's settings on other inputs (e.g. transformed ones)."""
-    return numpy_ref.dense_forward(q, k, v, causal=case.causal or False, scale=case.scale)[0]
+    return numpy_ref.dense_forward(q, k, v, **case.reference_kwargs())[0]

@@ -50,7 +50,7 @@ def test_masked_positions_get_exactly_zero_gradient(impl, case):
 def test_analytic_backward_agrees_with_central_differences(case):
     """d/dt f(x + t u) at t = 0, with f = sum(O * dO), against <grad f, u>, in float64."""
     q, k, v, do = case.inputs()
-    kw = dict(causal=case.causal or False, scale=case.scale)
+    kw = case.reference_kwargs()
     o, lse = numpy_ref.dense_forward(q, k, v, **kw)
     grads = numpy_ref.dense_backward(q, k, v, o, lse, do, **kw)
     rng = np.random.default_rng(case.seed + 1)

@@ -55,6 +55,10 @@ class AttentionCase:
     def effective_scale(self) -> float:
         return 1.0 / math.sqrt(self.d) if self.scale is None else self.scale
 
+    def reference_kwargs(self) -> dict:
+        """The keyword arguments the dense reference (impls.numpy_ref) takes for this case's semantics."""
+        return dict(causal=self.causal or False, scale=self.scale)
+
     @property
     def offset(self) -> int:
         return self.sk - self.sq if self.causal == "bottom_right" else 0
