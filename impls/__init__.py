@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from impls.rounding import PRECISIONS
+
 ALIGNMENTS = ("bottom_right", "top_left")
 DTYPES = ("float64", "float32", "float16", "bfloat16")
 DEVICES = ("cpu", "cuda")
@@ -58,6 +60,7 @@ class Implementation:
     masked_rows: bool = True  # a query row that sees no key gives O = 0 (and LSE = -inf)
     tags: tuple[str, ...] = field(default=())  # extra pytest markers, e.g. "interpreter"
     known_issues: tuple[KnownIssue, ...] = ()
+    precision: str = "fused"  # the rounding model the oracle holds it to (impls/rounding.py)
 
     def __repr__(self):
         return f"<implementation {self.name}>"
@@ -87,7 +90,7 @@ def _as_tuple(value, what: str, allowed: tuple[str, ...], name: str) -> tuple[st
 def implementation(*, name: str, causal="bottom_right", dtypes=("float32",), devices=("cpu",),
                    backward=False, gqa=True, lse=False, framework="torch", blocks=None,
                    head_dims=(1, 256), equal_head_dims=False, seq_multiple=1, max_seq=None, equal_lengths=False,
-                   masked_rows=True, tags=(), known_issues=(), register=True):
+                   masked_rows=True, tags=(), known_issues=(), precision="fused", register=True):
     """Declare an attention function to the suite. See README, "Testing your own kernel"."""
     if not isinstance(name, str) or not name:
         raise ContractError(f"implementation name must be a non-empty string, got {name!r}")
@@ -115,6 +118,9 @@ def implementation(*, name: str, causal="bottom_right", dtypes=("float32",), dev
     if not isinstance(seq_multiple, int) or seq_multiple < 1:
         raise ContractError(f"implementation {name!r}: seq_multiple must be an int >= 1, got {seq_multiple!r}")
 
+    if precision not in PRECISIONS:
+        raise ContractError(f"implementation {name!r}: precision must be one of {PRECISIONS}, got {precision!r}")
+
     def decorate(fn: Callable) -> Callable:
         if not callable(fn):
             raise ContractError(f"implementation {name!r}: decorated object is not callable")
@@ -123,7 +129,7 @@ def implementation(*, name: str, causal="bottom_right", dtypes=("float32",), dev
                                 head_dims=(lo, hi), equal_head_dims=equal_head_dims,
                                 seq_multiple=seq_multiple, max_seq=max_seq,
                                 equal_lengths=equal_lengths, masked_rows=masked_rows, tags=tuple(tags),
-                                known_issues=tuple(known_issues))
+                                known_issues=tuple(known_issues), precision=precision)
         fn.__flashcheck__ = record
         if register:
             REGISTRY[name] = record

@@ -56,7 +56,7 @@ def test_batch_and_head_slices_alone_equal_the_batched_result(impl, case, pick):
     g = case.hq // case.hkv
     heads = slice(h * g, (h + 1) * g)
     one = ph.forward(impl, case, q=q[b:b + 1, heads], k=k[b:b + 1, h:h + 1], v=v[b:b + 1, h:h + 1]).o
-    orc.compare(case, "o", one, want=full[b:b + 1, heads], budget=2 * budget,
+    orc.compare(case, "o", one, want=full[b:b + 1, heads], budget=2 * budget[b:b + 1, heads],
                 who=f"{impl.name} (batch {b}, kv head {h} alone)")
 
 

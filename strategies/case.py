@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
+
+from impls.rounding import PRECISIONS
 
 REGIMES = ("plain", "large", "negative", "equal", "dominant", "ties", "heavy")
 ALIGNMENTS = (None, "bottom_right", "top_left")
@@ -37,6 +39,12 @@ class AttentionCase:
     block_k: int = 16
     regime: str = "plain"
     seed: int = 0
+    precision: str = "fused"  # the rounding model it is judged by (impls.rounding); fit() copies the kernel's
+
+    def __repr__(self):  # fields at their default are left out: the printed case is short, and still exact
+        changed = [f"{f.name}={getattr(self, f.name)!r}" for f in fields(self)
+                   if getattr(self, f.name) != f.default]
+        return f"AttentionCase({', '.join(changed)})"
 
     def __post_init__(self):
         if self.hkv < 1 or self.hq % self.hkv:
@@ -47,6 +55,8 @@ class AttentionCase:
             raise ValueError(f"regime must be one of {REGIMES}, got {self.regime!r}")
         if self.dtype not in EPS:
             raise ValueError(f"dtype must be one of {tuple(EPS)}, got {self.dtype!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
 
     def replace(self, **changes) -> "AttentionCase":
         return replace(self, **changes)

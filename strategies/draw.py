@@ -103,7 +103,7 @@ def fit(impl, case: AttentionCase) -> AttentionCase:
     Fitting, not filtering, keeps every draw useful and lets an ``@example`` pin one
     case for every implementation.
     """
-    c = case
+    c = case.replace(precision=impl.precision)
     if c.dtype not in impl.dtypes:
         c = c.replace(dtype=min(impl.dtypes, key=lambda t: abs(_PRECISION[t] - _PRECISION[c.dtype])))
     if c.causal is not None and c.causal not in impl.causal:
