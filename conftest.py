@@ -32,6 +32,7 @@ CAPABILITIES = {
     "masked_rows": lambda i: i.masked_rows and "bottom_right" in i.causal,
     "masked": lambda i: (i.masked_rows and "bottom_right" in i.causal) or "top_left" in i.causal,
     "causal": lambda i: bool(i.causal),
+    "float64": lambda i: "float64" in i.dtypes,
 }
 
 

@@ -12,6 +12,7 @@ pytestmark = pytest.mark.properties
 
 
 @given(case=fs.cases())
+@ph.every_dtype_and_regime(long=True)
 @example(case=Case())  # one query, one key: the smallest problem there is
 @example(case=Case(sk=2, block_k=1, dtype="float32"))  # two key tiles: the rescale runs once
 @example(case=Case(sq=17, sk=17, d=16, dv=16, block_q=16, block_k=16))  # one past a whole tile
@@ -32,6 +33,7 @@ def test_output_matches_dense_float64(impl, case):
 
 @pytest.mark.requires("lse")
 @given(case=fs.cases())
+@ph.every_dtype_and_regime(long=True)
 @example(case=Case(sk=2, block_k=1))  # two key tiles: the LSE merges across them
 @example(case=Case(sq=3, sk=1, causal="bottom_right"))  # rows 0 and 1 see nothing: LSE = -inf
 @example(case=Case(sq=2, sk=2, d=4, regime="large", dtype="float32"))  # LSE near the overflow point
@@ -62,6 +64,7 @@ def test_rows_that_see_no_key_give_zero_and_minus_inf(impl, case):
 
 
 @given(case=fs.cases())
+@ph.every_dtype_and_regime()
 def test_output_lies_within_the_visible_values(impl, case):
     """Each output is a convex combination of the values its row sees."""
     case = fs.fit(impl, case)
@@ -81,6 +84,7 @@ def test_output_lies_within_the_visible_values(impl, case):
 
 
 @given(case=fs.cases(regimes=("equal",)))
+@ph.every_dtype_and_regime(regimes=("equal",))
 @example(case=Case(sq=3, sk=5, causal="bottom_right", regime="equal"))
 def test_uniform_scores_give_the_mean_of_visible_values(impl, case):
     case = fs.fit(impl, case)

@@ -17,6 +17,7 @@ blocks = st.tuples(st.integers(1, 8) | st.sampled_from((16, 32, 64)), st.integer
 
 
 @given(case=fs.cases(causal="none"), perm_seed=seeds)
+@ph.every_dtype_and_regime(causal=False, perm_seed=0)
 @example(case=Case(sk=3, block_k=2), perm_seed=0)
 def test_permuting_keys_and_values_together_leaves_output_unchanged(impl, case, perm_seed):
     case = fs.fit(impl, case)
@@ -30,6 +31,7 @@ def test_permuting_keys_and_values_together_leaves_output_unchanged(impl, case, 
 
 
 @given(case=fs.cases(), shift_seed=seeds, size=st.sampled_from((1.0, 4.0, 16.0)))
+@ph.every_dtype_and_regime(shift_seed=0, size=4.0)
 @example(case=Case(sq=2, sk=3, d=2, dtype="float32"), shift_seed=0, size=16.0)
 def test_adding_one_vector_to_every_key_leaves_output_unchanged(impl, case, shift_seed, size):
     """q.(k + c) = q.k + q.c shifts a whole row of logits, which softmax ignores."""
@@ -46,6 +48,7 @@ def test_adding_one_vector_to_every_key_leaves_output_unchanged(impl, case, shif
 
 
 @given(case=fs.cases(), pick=seeds)
+@ph.every_dtype_and_regime(pick=1)
 @example(case=Case(batch=2, hq=4, hkv=2, sq=3, sk=3), pick=1)
 def test_batch_and_head_slices_alone_equal_the_batched_result(impl, case, pick):
     case = fs.fit(impl, case)
@@ -62,6 +65,7 @@ def test_batch_and_head_slices_alone_equal_the_batched_result(impl, case, pick):
 
 @pytest.mark.requires("lse")
 @given(case=fs.cases(causal="none"), cut=seeds)
+@ph.every_dtype_and_regime(causal=False, cut=0)
 @example(case=Case(sk=2), cut=0)
 def test_two_halves_of_the_keys_merged_by_lse_equal_the_whole(impl, case, cut):
     case = fs.fit(impl, case)
@@ -80,6 +84,7 @@ def test_two_halves_of_the_keys_merged_by_lse_equal_the_whole(impl, case, cut):
 
 @pytest.mark.requires("blocks")
 @given(case=fs.cases(), other=blocks)
+@ph.every_dtype_and_regime(other=(1, 1))
 @example(case=Case(sq=5, sk=7, causal="bottom_right"), other=(1, 1))
 def test_results_do_not_depend_on_block_sizes(impl, case, other):
     case = fs.fit(impl, case)
@@ -96,6 +101,7 @@ def test_results_do_not_depend_on_block_sizes(impl, case, other):
 
 
 @given(case=fs.cases())
+@ph.every_dtype_and_regime()
 def test_inputs_are_never_modified(impl, case):
     case = fs.fit(impl, case)
     q, k, v, do = case.inputs()

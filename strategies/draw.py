@@ -16,10 +16,10 @@ from strategies.case import REGIMES, AttentionCase
 
 # How large cases get, by Hypothesis profile; "default" also covers unknown profiles.
 LIMITS = {
-    "default": dict(batch=2, heads=3, seq=40, dim=48),
-    "ci": dict(batch=2, heads=3, seq=40, dim=48),
-    "thorough": dict(batch=3, heads=4, seq=96, dim=96),
-    "gpu": dict(batch=3, heads=4, seq=300, dim=256),
+    "default": dict(batch=2, heads=3, seq=40, dim=48, long=2048),
+    "ci": dict(batch=2, heads=3, seq=40, dim=48, long=2048),
+    "thorough": dict(batch=3, heads=4, seq=96, dim=96, long=4096),
+    "gpu": dict(batch=3, heads=4, seq=300, dim=256, long=4096),
 }
 DTYPES = {  # float64 first: it shrinks there when the bug is not about precision
     "gpu": ("float16", "bfloat16", "float32"),
@@ -55,6 +55,9 @@ def cases(draw, *, dtypes=None, causal=None, regimes=REGIMES, masked_rows=False,
     case with keys no query sees; ``regimes`` narrows the logits.
     """
     lim = limits()
+    half = [t for t in (dtypes or DTYPES.get(_profile(), DEFAULT_DTYPES)) if t in HALF]
+    if half and not (masked_rows or masked_keys or equal_lengths) and draw(LONG_ODDS, label="long"):
+        return draw(long_cases(half, causal, regimes))
     batch = draw(st.integers(1, lim["batch"]), label="batch")
     hkv = draw(st.integers(1, lim["heads"]), label="hkv")
     hq = hkv * draw(st.integers(1, lim["heads"]), label="group")
@@ -86,6 +89,32 @@ def cases(draw, *, dtypes=None, causal=None, regimes=REGIMES, masked_rows=False,
                          dtype=dtype, block_q=block_q, block_k=block_k, regime=regime, seed=seed)
 
 
+# About one draw in eight goes to the long region; shrinking leaves it for the short one.
+LONG_ODDS = st.sampled_from((False,) * 7 + (True,))
+HALF = ("float16", "bfloat16")
+
+
+@st.composite
+def long_cases(draw, dtypes, causal=None, regimes=REGIMES):
+    """Long sequences in half precision, at small batch x heads x head dim: rounding that grows
+    with length (O or dV accumulated in the input type, an unnormalized running sum) shows only
+    here, and the float64 truth stays cheap."""
+    top = limits()["long"]
+    edges = st.sampled_from(sorted({top // 2 - 1, top // 2, top // 2 + 1, top - 1, top}))
+    sk = draw(st.integers(2, top) | edges, label="long sk")
+    sq = draw(st.sampled_from((sk, 1, 17)) | st.integers(2, top), label="long sq")
+    hkv = draw(st.integers(1, 2), label="hkv")
+    block = st.sampled_from((16, 32, 64, 128))
+    align = None if causal == "none" else causal or draw(
+        st.sampled_from((None, "bottom_right", "top_left")), label="causal")
+    d = draw(st.sampled_from((8, 16, 4, 32, 1, 5)), label="d")
+    return AttentionCase(batch=1, hq=hkv * draw(st.integers(1, 2), label="group"), hkv=hkv, sq=sq, sk=sk,
+                         d=d, dv=d, causal=align, scale=draw(st.sampled_from(SCALES), label="scale"),
+                         dtype=draw(st.sampled_from(dtypes), label="dtype"), block_q=draw(block, label="block_q"),
+                         block_k=draw(block, label="block_k"), regime=draw(st.sampled_from(regimes), label="regime"),
+                         seed=draw(st.integers(0, 2**32 - 1), label="seed"))
+
+
 # Precision distance: an unsupported dtype is replaced by the nearest one supported.
 _PRECISION = {"float64": 3, "float32": 2, "bfloat16": 1, "float16": 1.1}
 
@@ -112,6 +141,8 @@ def fit(impl, case: AttentionCase) -> AttentionCase:
         c = c.replace(hkv=c.hq)
     lo, hi = impl.head_dims
     c = c.replace(d=min(max(c.d, lo), hi), dv=min(max(c.d if impl.equal_head_dims else c.dv, lo), hi))
+    if c.dtype not in HALF and max(c.sq, c.sk) > limits()["seq"]:
+        c = c.replace(sq=min(c.sq, limits()["seq"]), sk=min(c.sk, limits()["seq"]))  # long is for half types
     top = impl.max_seq or max(c.sq, c.sk)
     m = impl.seq_multiple
     sq, sk = (min(max(m, -(-n // m) * m), top // m * m or m) for n in (c.sq, c.sk))
