@@ -20,7 +20,7 @@ The other terms bound the rounding a correct kernel may do differently from the 
   float32 accumulation of each sum is bounded by u_acc (2 + sqrt(n)) times its absolute size.
 - Rounding the result to t costs half a unit in the last place; one more ulp is the floor.
 
-A bias check follows (``_check_bias``): a correct kernel's rounding is unbiased, so in fp16 and
+A bias check follows (``check_bias``): a correct kernel's rounding is unbiased, so in fp16 and
 bf16, a result whose mean signed error (or mean error towards larger magnitude) is both
 significant (a self-normalized sign statistic past 5, probability <= 2 exp(-12.5) = 7e-6 for
 symmetric independent errors) and larger than 0.75 ulp beyond the model's own bias fails, even
@@ -157,17 +157,27 @@ def _rounding_bounds(case: AttentionCase) -> dict:
     d, dv, sk, rows = q.shape[-1], v.shape[-1], case.sk, case.sq * q.shape[2]
     lse = np.where(np.isfinite(pt.lse), pt.lse, 0.0)[..., None]
     abs_s = sc * (aq @ _swap(ak))  # |q| . |k|: the size of each score's dot product
+    sq_s = sc * sc * ((q * q) @ _swap(k * k))  # sum_d (q_d k_d)^2
     m = np.where(vis, pt.s, -np.inf).max(axis=-1, keepdims=True, initial=-np.inf)
     m = np.where(np.isfinite(m), m, 0.0)
-    # A score's error: its dot product (about sqrt(D) roundings of |q|.|k|), the scale and log2(e)
-    # products, the max or LSE subtracted before exp, and exp itself; all relative in P.
-    score_err = u_in * 2 * abs_s + u_acc * (4 + 2 * np.sqrt(d) * abs_s + 2 * np.abs(pt.s - m))
     acc = lambda n: u_acc * (2 + np.sqrt(n))  # noqa: E731  (float32 accumulation of n terms)
+    # A score's error, relative in P: its dot product (D roundings, each at most u |partial sum|: in
+    # variance about u^2/3 (D/2 sum_d (q_d k_d)^2 + D/3 s^2), whether the terms' signs are random or
+    # alike), the scale and log2(e) products, the max or LSE subtracted before exp, exp itself, and
+    # for TF32 the rounding of q and k.
+    local = u_acc * (4 + 2 * np.abs(pt.s - m))
+    score_worst = np.where(vis, u_in * 2 * abs_s + u_acc * d * abs_s + local, 0.0)
+    score_var = np.where(vis, u_acc ** 2 / 3 * (d / 2 * sq_s + d / 3 * pt.s ** 2)
+                         + VAR * (local ** 2 + (u_in * 2 * abs_s) ** 2), 0.0)
     # The LSE's own error shifts every P of its row in the backward (P = exp(s - LSE)).
-    lse_err = (p * np.where(vis, score_err, 0.0)).sum(-1, keepdims=True) + acc(sk) + 2 * u_acc * np.abs(lse)
-    rho = np.where(vis, u_p + u_in + score_err + lse_err, 0.0)  # relative error of P_ij
-    w = p * rho + np.where(vis, sub, 0.0)  # bound on the error of p_ij
-    w2 = w * w * VAR  # its variance
+    lse_own = acc(sk) + 2 * u_acc * np.abs(lse)
+    lse_worst = (p * score_worst).sum(-1, keepdims=True) + lse_own
+    lse_var = (p * p * score_var).sum(-1, keepdims=True) + VAR * lse_own ** 2
+    rho = np.where(vis, u_p + u_in + score_worst + lse_worst, 0.0)  # bound on P_ij's relative error
+    rho_var = np.where(vis, VAR * (u_p ** 2 + u_in ** 2) + score_var + lse_var, 0.0)  # and its variance
+    sub = np.where(vis, sub, 0.0)
+    w = p * rho + sub  # bound on the error of p_ij
+    w2 = p * p * rho_var + sub * sub / 3  # its variance (subnormals: a fixed spacing, so uniform)
     out = {}
     # O: sum_j p_ij (1 + e_ij) v_j normalized by the exact sum (error sum_j p_ij e_ij v_j), or by
     # the sum of the rounded terms (error sum_j p_ij e_ij (v_j - O_i)); a kernel may do either.
@@ -175,8 +185,7 @@ def _rounding_bounds(case: AttentionCase) -> dict:
     o_var = np.maximum(w2 @ (v * v), w2 @ (v * v) - 2 * o * (w2 @ v) + o * o * w2.sum(-1, keepdims=True))
     out["o"] = _bound(o_worst, o_var, acc(sk) * (p @ av + ao))
     # LSE = m + log(sum_j exp(s_j - m)) from float32 P: only the scores' errors and the sums.
-    wl = p * np.where(vis, score_err, 0.0)
-    out["lse"] = _bound(wl.sum(-1), (wl * wl).sum(-1) * VAR, acc(sk) + u_acc * np.abs(lse[..., 0]))
+    out["lse"] = _bound((p * score_worst).sum(-1), (p * p * score_var).sum(-1), acc(sk) + u_acc * np.abs(lse[..., 0]))
     # dV_j = sum_i P_ij dO_i over the rows of every head of the group.
     out["dv"] = _bound((_swap(w) @ ado).sum(2), (_swap(w2) @ (ado * ado)).sum(2),
                        acc(rows) * (_swap(p) @ ado).sum(2))
@@ -188,8 +197,9 @@ def _rounding_bounds(case: AttentionCase) -> dict:
     o_round = half_spacing(o, pr.out_fmt)
     d_worst = (ado * (o_worst + o_round)).sum(-1, keepdims=True) + acc(dv) * (ado * ao).sum(-1, keepdims=True)
     d_var = (ado * ado * (o_var + o_round * o_round * VAR)).sum(-1, keepdims=True)
-    eta = a_ds * (rho + u_p) + p * acc(dv) * (ado @ _swap(av)) + np.where(vis, sub, 0.0)
-    eta2 = eta * eta * VAR
+    dp_err = p * acc(dv) * (ado @ _swap(av))
+    eta = a_ds * (rho + u_p) + dp_err + sub
+    eta2 = ds * ds * (rho_var + VAR * u_p ** 2) + VAR * dp_err ** 2 + sub * sub / 3
     pk = np.abs(p @ k)  # D's error enters dQ_i as dD_i (P K)_i: cancellation in P K counts
     out["dq"] = sc * _bound(eta @ ak + d_worst * pk, eta2 @ (ak * ak) + d_var * pk * pk, acc(sk) * (a_ds @ ak))
     pd, pd2 = p * d_worst, p * p * d_var
@@ -297,7 +307,7 @@ def compare(case: AttentionCase, name: str, got: np.ndarray, want: np.ndarray | 
             f"  rule: {case.precision} {case.dtype} rounding model (its own largest error {model_err:.3e})\n"
             f"  case: {case!r}")
     if against_truth and budget is None:
-        _check_bias(case, name, got, want, label)
+        check_bias(case, name, got, want, label)
 
 
 def bias(case: AttentionCase, name: str, got: np.ndarray, want: np.ndarray):
@@ -319,7 +329,7 @@ def bias(case: AttentionCase, name: str, got: np.ndarray, want: np.ndarray):
     return out
 
 
-def _check_bias(case, name, got, want, label):
+def check_bias(case, name, got, want, label=""):
     if case.dtype not in HALF or name == "lse" or case.precision == "naive":
         return
     seen = bias(case, name, got, want)

@@ -22,7 +22,7 @@ PRECISION = [(f"mutants/precision.py:{bug}", what) for bug, what in precision.BU
 MUTANTS += PRECISION
 # The mutants' own correct build is the false-alarm check CI runs; the built-ins pass the
 # main suite already, so repeating them here through the harness is opt-in (slow).
-CORRECT = ["mutants/tiled.py:correct", "mutants/precision.py:correct",
+CORRECT = ["mutants/tiled.py:correct", pytest.param("mutants/precision.py:correct", id="precision-correct"),
            pytest.param("impls.numpy_ref:tiled_forward", marks=pytest.mark.slow),
            pytest.param("impls.triton_fused:attention", marks=pytest.mark.slow)]
 RESULTS = harness.RESULTS
@@ -39,7 +39,8 @@ def small(case) -> bool:
 @pytest.mark.parametrize("pins", [pytest.param(True, marks=pytest.mark.slow), False], ids=["pinned", "shrunk"])
 @pytest.mark.parametrize("spec,what", MUTANTS, ids=[s.split("/")[-1].replace(".py:", "-") for s, _ in MUTANTS])
 def test_mutant_is_killed_with_a_small_case(spec, what, pins):
-    verdict = harness.run_suite(spec, pins=pins)
+    files = harness.VALUES if (spec, what) in PRECISION else harness.FILES
+    verdict = harness.run_suite(spec, pins=pins, files=files)
     RESULTS.append((spec, what, pins, verdict))
     assert verdict.killed, f"{spec} ({what}) survived the property suite:\n{verdict.output[-2000:]}"
     assert verdict.case, f"{spec} was killed by {verdict.test} but no shrunk case was reported"
@@ -49,6 +50,6 @@ def test_mutant_is_killed_with_a_small_case(spec, what, pins):
 
 @pytest.mark.parametrize("spec", CORRECT)
 def test_correct_kernel_raises_no_false_alarm(spec):
-    verdict = harness.run_suite(spec)
+    verdict = harness.run_suite(spec, files=harness.VALUES if "precision" in spec else harness.FILES)
     RESULTS.append((spec, "correct", True, verdict))
     assert not verdict.killed, f"{spec} is correct but failed {verdict.test}:\n{verdict.output[-3000:]}"
