@@ -127,3 +127,56 @@ def test_oracle_floor_admits_an_exact_answer_when_dense_error_is_zero():
 @given(case=fs.cases(masked_keys=True))
 def test_masked_keys_strategy_draws_only_cases_with_keys_nobody_sees(case):
     assert case.has_masked_keys, f"expected keys no query sees, drew {case!r}"
+
+
+def _sample(strategy, n=200):
+    seen = []
+
+    @settings(max_examples=n, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
+    @given(strategy)
+    def collect(case):
+        seen.append(case)
+
+    collect()
+    return seen
+
+
+def test_trivial_one_by_one_cases_are_a_small_minority():
+    seen = _sample(fs.cases(dtypes=fs.draw.DEFAULT_DTYPES))
+    trivial = sum(c.sq == c.sk == 1 for c in seen)
+    assert trivial <= 0.1 * len(seen), f"expected at most 10% Sq = Sk = 1 cases, drew {trivial} of {len(seen)}"
+
+
+def test_long_half_precision_region_is_drawn_and_only_in_half_precision():
+    seen = _sample(fs.cases(dtypes=fs.draw.DEFAULT_DTYPES))
+    long = [c for c in seen if max(c.sq, c.sk) > fs.limits()["seq"]]
+    assert len(long) >= 0.05 * len(seen), f"expected about 1 in 8 draws long, got {len(long)} of {len(seen)}"
+    assert all(c.dtype in ("float16", "bfloat16") for c in long), "long cases must be fp16 or bf16"
+    assert max(max(c.sq, c.sk) for c in long) >= 1024, "the long region should reach 1024 and beyond"
+    assert not any(max(c.sq, c.sk) > fs.limits()["seq"] for c in _sample(fs.cases(dtypes=("float32",)), 60))
+
+
+def test_long_region_reaches_2048():
+    found = find(fs.draw.long_cases(("float16", "bfloat16")), lambda c: max(c.sq, c.sk) == 2048, settings=SEARCH)
+    assert max(found.sq, found.sk) == 2048
+
+
+def test_every_numeric_property_pins_every_dtype_and_regime_pair():
+    from properties import test_backward, test_forward, test_invariance
+
+    numeric = [test_forward.test_output_matches_dense_float64, test_forward.test_lse_is_natural_log_sum_exp_of_scaled_logits,
+               test_forward.test_output_lies_within_the_visible_values, test_backward.test_gradients_match_analytic_float64,
+               *[getattr(test_invariance, n) for n in dir(test_invariance) if n.startswith("test_")]]
+    for test in numeric:
+        pinned = {(e.kwargs["case"].dtype, e.kwargs["case"].regime) for e in test.hypothesis_explicit_examples}
+        missing = {(t, r) for t in fs.draw.DEFAULT_DTYPES for r in fs.REGIMES} - pinned
+        assert not missing, f"{test.__name__}: no pin for {sorted(missing)[:4]}"
+
+
+@given(st.just(Case(sq=2048, sk=2048, dtype="float16")))
+def test_a_long_case_fitted_away_from_half_precision_comes_back_short(case):
+    from impls import builtins
+
+    impl = {i.name: i for i in builtins()}["numpy-tiled"]  # float32 and float64 only
+    fitted = fs.fit(impl, case)
+    assert fitted.dtype == "float32" and max(fitted.sq, fitted.sk) <= fs.limits()["seq"], f"got {fitted!r}"
