@@ -155,8 +155,10 @@ CUDA_ZERO_SCALE = KnownIssue(
 
 _CUDA = torch.cuda.is_available()
 
+# On CUDA the math backend rounds S = q k^T to fp16/bf16 before the softmax: plain dense
+# attention in the input type, held to the naive rule. On the CPU it computes in float32.
 math_attention = _register("sdpa-math", SDPBackend.MATH, devices=("cpu", "cuda") if _CUDA else ("cpu",),
-                           dtypes=ALL_DTYPES)
+                           dtypes=ALL_DTYPES, precision="naive" if _CUDA else "fused")
 
 if _CUDA:
     # The suite runs a declared CUDA implementation on CUDA when it is present, so each fused backend

@@ -19,7 +19,7 @@ LIMITS = {
     "default": dict(batch=2, heads=3, seq=40, dim=48, long=2048),
     "ci": dict(batch=2, heads=3, seq=40, dim=48, long=2048),
     "thorough": dict(batch=3, heads=4, seq=96, dim=96, long=4096),
-    "gpu": dict(batch=3, heads=4, seq=300, dim=256, long=4096),
+    "gpu": dict(batch=3, heads=4, seq=300, dim=256, long=2048),  # the float64 truth runs on the host CPU
 }
 DTYPES = {  # float64 first: it shrinks there when the bug is not about precision
     "gpu": ("float16", "bfloat16", "float32"),
