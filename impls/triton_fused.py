@@ -37,6 +37,8 @@ from impls import triton_kernels as K
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DTYPES = ("float16", "float32") if INTERPRET else ("float16", "bfloat16", "float32")
+# The CPU interpreter runs a 2048 x 2048 forward and backward in about 30 s: its lane stops at 512.
+INTERPRET_MAX_SEQ = 512 if INTERPRET else None
 BLOCKS = (16, 32, 64, 128)
 PRECISIONS = ("ieee", "tf32")
 WHO = "triton-fused"
@@ -264,7 +266,7 @@ def flash_attention(q, k, v, *, causal=False, scale=None, block_q=None, block_k=
 
 @implementation(name="triton-fused", causal=("bottom_right", "top_left"), dtypes=DTYPES,
                 devices=("cpu",) if INTERPRET else ("cuda",), backward=True, gqa=True, lse=True,
-                framework="torch", blocks=BLOCKS, head_dims=(1, 256),
+                framework="torch", blocks=BLOCKS, head_dims=(1, 256), max_seq=INTERPRET_MAX_SEQ,
                 tags=("interpreter",) if INTERPRET else ())
 def attention(q, k, v, *, causal=False, scale=None, block_q=None, block_k=None, precision="ieee"):
     """Fused FlashAttention; returns (O, LSE). float32 dots are IEEE unless precision="tf32"."""
