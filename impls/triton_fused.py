@@ -37,8 +37,8 @@ from impls import triton_kernels as K
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DTYPES = ("float16", "float32") if INTERPRET else ("float16", "bfloat16", "float32")
-# The CPU interpreter runs a 2048 x 2048 forward and backward in about 30 s: its lane stops at 512.
-INTERPRET_MAX_SEQ = 512 if INTERPRET else None
+# The CPU interpreter runs a 2048 x 2048 forward and backward in about 30 s: its lane stops at 256.
+INTERPRET_MAX_SEQ = 256 if INTERPRET else None
 BLOCKS = (16, 32, 64, 128)
 PRECISIONS = ("ieee", "tf32")
 WHO = "triton-fused"

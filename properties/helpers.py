@@ -58,6 +58,12 @@ def cover_cases(regimes=None, long=False, causal=True):
     return pins if causal else [c.replace(causal=None) for c in pins]
 
 
+def slow_pin(impl, case) -> bool:
+    """A coverage pin on an implementation in the CPU interpreter lane, whose every call costs
+    seconds: that lane runs the pins on the value properties only (forward and gradients)."""
+    return "interpreter" in impl.tags and case in _ALL_PINS
+
+
 def every_dtype_and_regime(regimes=None, long=False, causal=True, **other):
     """@example pins: one mid-sized case per (dtype, regime) pair (and the long pins if asked);
     ``causal=False`` for properties of unmasked attention; ``other`` fills the test's other arguments."""
@@ -67,3 +73,7 @@ def every_dtype_and_regime(regimes=None, long=False, causal=True, **other):
         return test
 
     return pin
+
+
+_ALL_PINS = frozenset(c for regimes in (None, ("equal",)) for causal in (True, False)
+                      for c in cover_cases(regimes, True, causal))
