@@ -54,6 +54,7 @@ DTYPES = ("float16", "float32") if INTERPRET else ("float16", "bfloat16", "float
 BLOCKS = (16, 32, 64, 128)
 PRECISIONS = ("ieee", "tf32")
 WHO = "triton-fused"
+SOFTCAP_MIN = 1e-30
 
 try:  # the name moved between Triton releases
     from triton.runtime.errors import OutOfResources
@@ -245,7 +246,10 @@ def _features(q, k, align, window=None, softcap=0.0, alibi_slopes=None, sinks=No
         raise ValueError(f"{WHO}: softcap must be a finite number >= 0 (0: off), got {softcap!r}")
     slopes = None if alibi_slopes is None else _float32_vector(alibi_slopes, "alibi_slopes", [(hq,), (b, hq)], q)
     sinks = None if sinks is None else _float32_vector(sinks, "sinks", [(hq,)], q)
-    return _Features(causal, off, left, loff, sk - sq if slopes is not None else 0, float(softcap), slopes, sinks)
+    # Caps below 1e-30 run as 1e-30 so the kernels' float32 constants stay normal: the capped logits
+    # are within 1e-30 of 0 either way, far below any rounding of the softmax.
+    cap = max(float(softcap), SOFTCAP_MIN) if softcap > 0 else 0.0
+    return _Features(causal, off, left, loff, sk - sq if slopes is not None else 0, cap, slopes, sinks)
 
 
 def _sink_grad(sinks, lse, delta):

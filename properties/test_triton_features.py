@@ -172,6 +172,7 @@ CASES = {
     "window-diagonal-empties-rows": ((1, 1, 1, 50, 20, 16), "float32", dict(window=(0, 0))),
     "window-wider-than-sequence": ((1, 1, 1, 20, 33, 16), "float16", dict(window=(40, 40), causal="bottom_right")),
     "softcap-saturating": ((1, 2, 1, 33, 33, 16), "float32", dict(softcap=0.5, scale=1.0, causal="bottom_right")),
+    "softcap-below-float32-range": ((1, 1, 1, 20, 20, 16), "float32", dict(softcap=1e-35, causal="bottom_right")),
     "softcap-identity": ((1, 2, 2, 20, 35, 16), "float16", dict(softcap=1e4)),
     "softcap-gqa-sq-gt-sk": ((1, 4, 2, 37, 21, 16), "float32", dict(softcap=3.0, scale=0.6)),
     "alibi-geometric-causal": ((1, 4, 2, 22, 41, 16), "float32", dict(alibi_slopes=geometric(4), causal="bottom_right")),
