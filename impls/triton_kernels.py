@@ -32,6 +32,9 @@ LOG2E_F = 1.4426950408889634  # host-side float
 LOG2E = tl.constexpr(LOG2E_F)   # kernels may read only constexpr globals
 LN2 = tl.constexpr(0.6931471805599453)
 
+# shape-dependent feature offsets: specializing on them (e.g. divisibility by 16) would only multiply
+# the compiled variants of the feature kernels
+FEATURE_INTS = ["LOFF", "DIAG"]
 BUGS = {"none": 0, "no_rescale": 1, "lse_base2": 2, "drop_partial_tile": 3, "bwd_no_delta": 4,
         "window_off_by_one": 5, "softcap_before_scale": 6, "softcap_no_tanh_grad": 7, "alibi_sign": 8}
 
@@ -194,7 +197,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, skn, svn, lo, hi, offs_m, Sk, D
     return acc, l_i, m_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=FEATURE_INTS)
 def attn_fwd(Q, K, V, O, LSE,
              sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som,
              Hq, G, Sq, Sk, D, Dv, OFF, qk_scale, LOFF, DIAG, cap2, SLOPES, ssb, SINKS,
@@ -323,7 +326,7 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, LSE, DELTA, row_base, sqm, sdom, 
     return dk, dv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=FEATURE_INTS)
 def attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV,
                   sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdom,
                   sdkb, sdkh, sdkn, sdvb, sdvh, sdvn,
@@ -410,7 +413,7 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, skn, svn, lo, hi, offs_m, 
     return dq
 
 
-@triton.jit
+@triton.jit(do_not_specialize=FEATURE_INTS)
 def attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ,
                 sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdom, sdqb, sdqh, sdqm,
                 Hq, G, Sq, Sk, D, Dv, OFF, qk_scale, sm_scale, LOFF, DIAG, cap2, SLOPES, ssb,
