@@ -1,12 +1,24 @@
 """Fused FlashAttention in Triton: forward, backward (preprocess, dK/dV, dQ) and the autograd glue.
 
-``attention(q, k, v, *, causal=False, scale=None, block_q=None, block_k=None, precision="ieee")``
+``attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, alibi_slopes=None, sinks=None,
+block_q=None, block_k=None, precision="ieee")``
 
 - q (B, Hq, Sq, D), k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv); GQA/MQA: query head h reads
   key/value head h // (Hq // Hkv); any D, Dv in 1..256 (padded to a power of two >= 16 with masks);
   any Sq, Sk >= 1; any scale (None = 1/sqrt(D), 0.0 used as given).
 - causal: False, True (= "bottom_right"), "bottom_right" (query i sees key j iff j <= i + Sk - Sq)
   or "top_left" (j <= i). A row that sees no key gets O = 0 and LSE = -inf.
+- window=(left, right): query i sees key j iff i + Sk - Sq - left <= j <= i + Sk - Sq + right, -1 meaning
+  unbounded on that side (None or (-1, -1): off); intersected with causal. Key tiles outside the band
+  are skipped, as causal ones are.
+- softcap=c (0: off): the scaled logit s becomes c * tanh(s / c), before ALiBi and masking; the
+  backward multiplies by 1 - tanh^2.
+- alibi_slopes: float32 (Hq,) or (B, Hq); head h adds -slope_h * |i + Sk - Sq - j| to its logits.
+  No gradient flows to the slopes.
+- sinks: float32 (Hq,), one logit per query head that joins every row's softmax denominator and adds
+  no value: O = sum_j p_j v_j with p_j = exp(s_j) / (exp(sink) + sum_k exp(s_k)), LSE = log(exp(sink)
+  + sum_k exp(s_k)); a row that sees no key gets O = 0 and LSE = sink (-inf without sinks). The sinks'
+  gradient, -sum over rows of exp(sink - LSE) * rowsum(dO * O), comes back through autograd.
 - returns (O in the input dtype, natural-log LSE in float32 of shape (B, Hq, Sq)).
 - float16 / bfloat16 dots run on the tensor cores with float32 accumulation. float32 dots use
   ``precision``: "ieee" (default: true float32 products, what the registered implementation uses and
@@ -26,7 +38,9 @@ deliberately broken variant for mutation testing; the default build compiles the
 from __future__ import annotations
 
 import math
+import numbers
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -42,6 +56,7 @@ INTERPRET_MAX_SEQ = 256 if INTERPRET else None
 BLOCKS = (16, 32, 64, 128)
 PRECISIONS = ("ieee", "tf32")
 WHO = "triton-fused"
+SOFTCAP_MIN = 1e-30
 
 try:  # the name moved between Triton releases
     from triton.runtime.errors import OutOfResources
@@ -168,7 +183,85 @@ def _last_dim_contiguous(x):
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _forward(q, k, v, align, scale, precision, cfg: _Cfg, bug: int, out=None):
+@dataclass(frozen=True, eq=False)
+class _Features:
+    """One call's masking band and optional features, as the kernels take them (see triton_kernels)."""
+
+    causal: bool = False  # keys past i + off are hidden (a causal mask or a window's right edge)
+    off: int = 0
+    left: bool = False  # keys before i + loff are hidden (a window's left edge)
+    loff: int = 0
+    diag: int = 0  # Sk - Sq, where ALiBi's distances are measured from
+    softcap: float = 0.0
+    slopes: torch.Tensor | None = None
+    sinks: torch.Tensor | None = None
+
+    def kernel_args(self, dummy, with_sinks=True):
+        """Keyword arguments of the kernels; ``dummy`` (a float32 tensor) fills unused pointers."""
+        args = dict(LOFF=self.loff, DIAG=self.diag, cap2=self.softcap * K.LOG2E_F,
+                    SLOPES=dummy if self.slopes is None else self.slopes,
+                    ssb=0 if self.slopes is None or self.slopes.ndim == 1 else self.slopes.stride(0),
+                    CAUSAL=self.causal, LEFT=self.left, SOFTCAP=self.softcap > 0, ALIBI=self.slopes is not None)
+        if with_sinks:
+            args.update(SINKS=dummy if self.sinks is None else self.sinks, HAS_SINKS=self.sinks is not None)
+        return args
+
+
+def _is_int(x):
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _float32_vector(x, label, shapes, q):
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{WHO}: {label} must be a torch tensor, got {type(x).__name__}")
+    if x.dtype != torch.float32:
+        raise TypeError(f"{WHO}: {label} must be float32, got {dtype_name(x)}")
+    if tuple(x.shape) not in shapes:
+        raise ValueError(f"{WHO}: {label} must have shape {' or '.join(map(str, shapes))}, got {tuple(x.shape)}")
+    if x.device != q.device:
+        raise ValueError(f"{WHO}: {label} is on {x.device} but q is on {q.device}")
+    return x.contiguous()
+
+
+def _features(q, k, align, window=None, softcap=0.0, alibi_slopes=None, sinks=None) -> _Features:
+    """Validate the optional arguments and turn them into the kernels' band and flags.
+
+    Edges that hide nothing (a right edge at or past the last key of row 0, a left edge at or before
+    key 0 for the last row) are dropped, so a window as wide as the sequence runs the plain kernel.
+    """
+    b, hq, sq = q.shape[:3]
+    sk = k.shape[2]
+    causal, off = align is not None, offset(sq, sk, align)
+    left, loff = False, 0
+    if window is not None:
+        if not (isinstance(window, (tuple, list)) and len(window) == 2 and all(map(_is_int, window))
+                and min(window) >= -1):
+            raise ValueError(f"{WHO}: window must be (left, right), two ints >= -1 (-1: unbounded), got {window!r}")
+        wl, wr = int(window[0]), int(window[1])
+        if 0 <= wr < sq - 1:
+            off = min(off, sk - sq + wr) if causal else sk - sq + wr
+            causal = True
+        if 0 <= wl < sk - 1:
+            left, loff = True, sk - sq - wl
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not math.isfinite(softcap) \
+            or softcap < 0:
+        raise ValueError(f"{WHO}: softcap must be a finite number >= 0 (0: off), got {softcap!r}")
+    slopes = None if alibi_slopes is None else _float32_vector(alibi_slopes, "alibi_slopes", [(hq,), (b, hq)], q)
+    sinks = None if sinks is None else _float32_vector(sinks, "sinks", [(hq,)], q)
+    # Caps below 1e-30 run as 1e-30 so the kernels' float32 constants stay normal: the capped logits
+    # are within 1e-30 of 0 either way, far below any rounding of the softmax.
+    cap = max(float(softcap), SOFTCAP_MIN) if softcap > 0 else 0.0
+    return _Features(causal, off, left, loff, sk - sq if slopes is not None else 0, cap, slopes, sinks)
+
+
+def _sink_grad(sinks, lse, delta):
+    """d/d sink_h of sum(O * dO) = -sum over (b, i) of P_sink[b, h, i] * rowsum(dO * O)[b, h, i]."""
+    p = torch.exp(sinks[None, :, None] - lse)
+    p = torch.where(lse == -math.inf, 0.0, p)  # a sink of -inf over a row that sees no key: exp(nan)
+    return -(p * delta).sum(dim=(0, 2))
+
+
+def _forward(q, k, v, align, scale, precision, cfg: _Cfg, bug: int, out=None, feats: _Features | None = None):
     """out=(o, lse) writes into given buffers (the reliability tests pass NaN-filled ones)."""
     b, hq, sq, d = q.shape
     hkv, sk, dv = k.shape[1], k.shape[2], v.shape[3]
@@ -178,23 +271,25 @@ def _forward(q, k, v, align, scale, precision, cfg: _Cfg, bug: int, out=None):
         lse = torch.empty((b, hq, sq), device=q.device, dtype=torch.float32)
     else:
         o, lse = out
+    feats = feats or _features(q, k, align)
     _launch(K.attn_fwd, lambda bm, bn: (triton.cdiv(sq, bm), b * hq), cfg.fwd,
             q, k, v, o, lse,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
-            hq, hq // hkv, sq, sk, d, dv, offset(sq, sk, align), scale * K.LOG2E_F,
-            CAUSAL=align is not None, D_PAD=dpad, DV_PAD=dvpad, PAD_D=dpad != d, PAD_DV=dvpad != dv,
-            DOT_PREC=precision, BUG=bug)
+            hq, hq // hkv, sq, sk, d, dv, feats.off, scale * K.LOG2E_F, **feats.kernel_args(lse),
+            D_PAD=dpad, DV_PAD=dvpad, PAD_D=dpad != d, PAD_DV=dvpad != dv, DOT_PREC=precision, BUG=bug)
     return o, lse
 
 
-def _backward(do, q, k, v, o, lse, align, scale, precision, cfg: _Cfg, bug: int, out=None):
-    """out=(delta, dq, dk, dv) writes into given buffers (the reliability tests pass NaN-filled ones)."""
+def _backward(do, q, k, v, o, lse, align, scale, precision, cfg: _Cfg, bug: int, out=None,
+              feats: _Features | None = None):
+    """(dq, dk, dv, dsinks or None). out=(delta, dq, dk, dv) writes into given buffers (the reliability
+    tests pass NaN-filled ones)."""
     b, hq, sq, d = q.shape
     hkv, sk, dv = k.shape[1], k.shape[2], v.shape[3]
     dpad, dvpad = _pad(d), _pad(dv)
     do = _last_dim_contiguous(do)
-    off = offset(sq, sk, align)
+    feats = feats or _features(q, k, align)
     if out is None:
         delta = torch.empty((b, hq, sq), device=q.device, dtype=torch.float32)
         dq = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -206,41 +301,43 @@ def _backward(do, q, k, v, o, lse, align, scale, precision, cfg: _Cfg, bug: int,
     K.attn_bwd_preprocess[(triton.cdiv(sq, pre_bm), b * hq)](
         o, do, delta, o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
         hq, sq, dv, BLOCK_M=pre_bm, DV_PAD=dvpad, PAD_DV=dvpad != dv, BUG=bug)
-    common = dict(CAUSAL=align is not None, D_PAD=dpad, DV_PAD=dvpad, PAD_D=dpad != d, PAD_DV=dvpad != dv,
-                  DOT_PREC=precision)
+    common = dict(**feats.kernel_args(lse, with_sinks=False), D_PAD=dpad, DV_PAD=dvpad, PAD_D=dpad != d,
+                  PAD_DV=dvpad != dv, DOT_PREC=precision, BUG=bug)
     _launch(K.attn_bwd_dkdv, lambda bm, bn: (triton.cdiv(sk, bn), b * hkv), cfg.dkdv,
             q, k, v, do, lse, delta, dk, dvv,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
             dk.stride(0), dk.stride(1), dk.stride(2), dvv.stride(0), dvv.stride(1), dvv.stride(2),
-            hq, hkv, hq // hkv, sq, sk, d, dv, off, scale * K.LOG2E_F, scale, **common)
+            hq, hkv, hq // hkv, sq, sk, d, dv, feats.off, scale * K.LOG2E_F, scale, **common)
     _launch(K.attn_bwd_dq, lambda bm, bn: (triton.cdiv(sq, bm), b * hq), cfg.dq,
             q, k, v, do, lse, delta, dq,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
             dq.stride(0), dq.stride(1), dq.stride(2),
-            hq, hq // hkv, sq, sk, d, dv, off, scale * K.LOG2E_F, scale, **common)
-    return dq, dk, dvv
+            hq, hq // hkv, sq, sk, d, dv, feats.off, scale * K.LOG2E_F, scale, **common)
+    dsinks = None if feats.sinks is None else _sink_grad(feats.sinks, lse, delta)
+    return dq, dk, dvv, dsinks
 
 
 class _FlashAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, align, scale, precision, cfg, bug):
-        o, lse = _forward(q, k, v, align, scale, precision, cfg, bug)
+    def forward(ctx, q, k, v, sinks, align, scale, precision, cfg, bug, feats):
+        o, lse = _forward(q, k, v, align, scale, precision, cfg, bug, feats=feats)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.args = (align, scale, precision, cfg, bug)
+        ctx.feats = feats  # holds sinks and slopes, which autograd hands in unchanged
         ctx.mark_non_differentiable(lse)
         return o, lse
 
     @staticmethod
     def backward(ctx, do, _dlse):
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = _backward(do, q, k, v, o, lse, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None
+        dq, dk, dv, dsinks = _backward(do, q, k, v, o, lse, *ctx.args, feats=ctx.feats)
+        return dq, dk, dv, dsinks, None, None, None, None, None, None
 
 
-def flash_attention(q, k, v, *, causal=False, scale=None, block_q=None, block_k=None, precision="ieee",
-                    configs=None, bug: int = 0):
+def flash_attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, alibi_slopes=None,
+                    sinks=None, block_q=None, block_k=None, precision="ieee", configs=None, bug: int = 0):
     """The full entry point. ``configs`` overrides launch parameters per kernel, e.g.
     ``{"fwd": (128, 64, 8, 3)}`` as (BLOCK_M, BLOCK_N, num_warps, num_stages) (used by the benchmark)."""
     b, hq, hkv, sq, sk, d, dv = check_inputs(q, k, v, dtypes=DTYPES, who=WHO)
@@ -260,21 +357,29 @@ def flash_attention(q, k, v, *, causal=False, scale=None, block_q=None, block_k=
     cfg = _config(block_q, block_k, _pad(max(d, dv)), configs, fp32=dtype_name(q) == "float32")
     if not INTERPRET:
         cfg = _fit(cfg, q.element_size(), _pad(d), _pad(dv))
+    feats = _features(q, k, align, window, softcap, alibi_slopes, sinks)
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
-    return _FlashAttention.apply(q, k, v, align, scale, precision, cfg, bug)
+    return _FlashAttention.apply(q, k, v, feats.sinks, align, scale, precision, cfg, bug, feats)
 
 
-@implementation(name="triton-fused", causal=("bottom_right", "top_left"), dtypes=DTYPES,
-                devices=("cpu",) if INTERPRET else ("cuda",), backward=True, gqa=True, lse=True,
-                framework="torch", blocks=BLOCKS, head_dims=(1, 256), max_seq=INTERPRET_MAX_SEQ,
+# What triton-fused declares; its mutants declare the same.
+DECLARED = dict(causal=("bottom_right", "top_left"), dtypes=DTYPES, devices=("cpu",) if INTERPRET else ("cuda",),
+                backward=True, gqa=True, lse=True, framework="torch", blocks=BLOCKS, head_dims=(1, 256),
+                max_seq=INTERPRET_MAX_SEQ,
                 tags=("interpreter",) if INTERPRET else ())
-def attention(q, k, v, *, causal=False, scale=None, block_q=None, block_k=None, precision="ieee"):
+
+
+@implementation(name="triton-fused", **DECLARED)
+def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, alibi_slopes=None, sinks=None,
+              block_q=None, block_k=None, precision="ieee"):
     """Fused FlashAttention; returns (O, LSE). float32 dots are IEEE unless precision="tf32"."""
-    return flash_attention(q, k, v, causal=causal, scale=scale, block_q=block_q, block_k=block_k,
+    return flash_attention(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap,
+                           alibi_slopes=alibi_slopes, sinks=sinks, block_q=block_q, block_k=block_k,
                            precision=precision)
 
 
-MUTANTS = ("no_rescale", "lse_base2", "drop_partial_tile", "bwd_no_delta")
+MUTANTS = ("no_rescale", "lse_base2", "drop_partial_tile", "bwd_no_delta",
+           "window_off_by_one", "softcap_before_scale", "softcap_no_tanh_grad", "alibi_sign")
 
 
 def make_mutant(bug: str):
@@ -282,18 +387,21 @@ def make_mutant(bug: str):
 
     no_rescale: the online-softmax rescale of the accumulator is skipped;
     lse_base2: LSE is returned in base 2; drop_partial_tile: the last partial key tile is ignored;
-    bwd_no_delta: the backward drops the rowsum(dO * O) term.
+    bwd_no_delta: the backward drops the rowsum(dO * O) term;
+    window_off_by_one: a window's left edge sits one key too far right (i + Sk - Sq - left + 1);
+    softcap_before_scale: c * tanh(q.k / c) * scale instead of c * tanh(q.k * scale / c);
+    softcap_no_tanh_grad: the backward omits the cap's derivative 1 - tanh^2;
+    alibi_sign: the ALiBi bias is added as +slope * |i + Sk - Sq - j|.
     """
     if bug not in MUTANTS:
         raise ValueError(f"unknown mutant {bug!r}; expected one of {MUTANTS}")
     code = K.BUGS[bug]
 
-    @implementation(name=f"triton-fused-mutant-{bug}", causal=("bottom_right", "top_left"), dtypes=DTYPES,
-                    devices=("cpu",) if INTERPRET else ("cuda",), backward=True, gqa=True, lse=True,
-                    framework="torch", blocks=BLOCKS, head_dims=(1, 256),
-                    tags=("interpreter",) if INTERPRET else (), register=False)
-    def mutant(q, k, v, *, causal=False, scale=None, block_q=None, block_k=None, precision="ieee"):
-        return flash_attention(q, k, v, causal=causal, scale=scale, block_q=block_q, block_k=block_k,
+    @implementation(name=f"triton-fused-mutant-{bug}", register=False, **DECLARED)
+    def mutant(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, alibi_slopes=None, sinks=None,
+               block_q=None, block_k=None, precision="ieee"):
+        return flash_attention(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap,
+                               alibi_slopes=alibi_slopes, sinks=sinks, block_q=block_q, block_k=block_k,
                                precision=precision, bug=code)
 
     mutant.__name__ = f"attention_mutant_{bug}"

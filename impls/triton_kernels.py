@@ -1,8 +1,17 @@
 """Triton kernels of the fused FlashAttention (forward, backward preprocess, dK/dV, dQ).
 
 Layout and semantics are DESIGN.md's: q (B, Hq, Sq, D), k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv);
-query head h reads key/value head h // G with G = Hq // Hkv. Query i sees key j iff
-j <= i + OFF when CAUSAL (OFF = Sk - Sq bottom-right, 0 top-left).
+query head h reads key/value head h // G with G = Hq // Hkv.
+
+Visibility is a band: query i sees key j iff j <= i + OFF when CAUSAL and j >= i + LOFF when LEFT.
+OFF is the tighter of the causal diagonal (Sk - Sq bottom-right, 0 top-left) and a window's right
+edge (Sk - Sq + right); LOFF is a window's left edge (Sk - Sq - left). Whole key tiles outside the
+band are skipped, tiles inside it run without masks, only the tiles it cuts are masked.
+
+Optional features, each a constexpr flag so that the plain kernel compiles exactly as without them:
+- SOFTCAP: the scaled logit s becomes c * tanh(s / c) (cap2 = c * log2(e));
+- ALIBI: logits get -slope_h * |i + DIAG - j| (DIAG = Sk - Sq), slopes float32 at SLOPES + b * ssb + h;
+- HAS_SINKS: one float32 logit per query head (SINKS + h) joins each row's softmax denominator.
 
 Conventions shared by every kernel:
 - head dims are padded to a power of two (D_PAD, DV_PAD >= 16); PAD_D / PAD_DV say whether the
@@ -12,7 +21,8 @@ Conventions shared by every kernel:
 - scores are kept in base 2: s2 = (q . k) * scale * log2(e), so softmax uses exp2;
 - LSE is stored in natural log (float32); a row that sees no key stores O = 0, LSE = -inf;
 - BUG is a compile-time switch for mutation testing; 0 (the default build) compiles the
-  mutant branches away. 1 no_rescale, 2 lse_base2, 3 drop_partial_tile, 4 bwd_no_delta.
+  mutant branches away. 1 no_rescale, 2 lse_base2, 3 drop_partial_tile, 4 bwd_no_delta,
+  5 window_off_by_one, 6 softcap_before_scale, 7 softcap_no_tanh_grad, 8 alibi_sign.
 - no atomics: every output element is written by exactly one program.
 """
 import triton
@@ -22,7 +32,11 @@ LOG2E_F = 1.4426950408889634  # host-side float
 LOG2E = tl.constexpr(LOG2E_F)   # kernels may read only constexpr globals
 LN2 = tl.constexpr(0.6931471805599453)
 
-BUGS = {"none": 0, "no_rescale": 1, "lse_base2": 2, "drop_partial_tile": 3, "bwd_no_delta": 4}
+# shape-dependent feature offsets: specializing on them (e.g. divisibility by 16) would only multiply
+# the compiled variants of the feature kernels
+FEATURE_INTS = ["LOFF", "DIAG"]
+BUGS = {"none": 0, "no_rescale": 1, "lse_base2": 2, "drop_partial_tile": 3, "bwd_no_delta": 4,
+        "window_off_by_one": 5, "softcap_before_scale": 6, "softcap_no_tanh_grad": 7, "alibi_sign": 8}
 
 
 @triton.jit
@@ -68,36 +82,105 @@ def _key_range(m0, Sk, OFF, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL
     return lo, hi
 
 
+@triton.jit
+def _left_edge(m0, LOFF, lo, hi, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """With a window's left edge, the key range of _key_range splits into three tile-aligned parts:
+    [start, full) masked, [full, lo) visible to every row, [lo, hi) masked; returns (start, full, lo).
+    Keys before start are hidden from every row of the tile (skipped)."""
+    start = (tl.maximum(m0 + LOFF, 0) // BLOCK_N) * BLOCK_N
+    full = tl.cdiv(tl.maximum(m0 + BLOCK_M - 1 + LOFF, 0), BLOCK_N) * BLOCK_N
+    # no tile is visible to every row (a narrow band): mask every tile from start to hi
+    narrow = full > lo
+    full = tl.where(narrow, tl.cdiv(hi, BLOCK_N) * BLOCK_N, full)
+    lo = tl.where(narrow, full, lo)
+    return start, full, lo
+
+
+@triton.jit
+def _tanh(x):
+    """tanh in float32 to a few ulps (libdevice's tanh has no interpreter counterpart): the Taylor
+    series below 0.5, where (1 - e) / (1 + e) with e = exp(-2|x|) would cancel, that form above."""
+    a = tl.abs(x)
+    e = tl.exp2(a * (-2.0 * LOG2E))
+    z = a * a
+    series = a * (1.0 + z * (-0.3333333333333333 + z * (0.13333333333333333 + z * (-0.05396825396825397 + z * (
+        0.021869488536155203 + z * (-0.008863235529902197 + z * (0.003592128036572481
+                                                                 + z * -0.0014558343870513183)))))))
+    t = tl.where(a < 0.5, series, (1.0 - e) / (1.0 + e))
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _logits(qk, qi, kj, qk_scale, cap2, slope2, DIAG, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+            BUG: tl.constexpr):
+    """Base-2 logits of the dot products qk of query rows qi with key columns kj (index tensors that
+    broadcast to qk's shape), and t = tanh(scaled logit / cap) for the softcap's derivative 1 - t^2."""
+    if SOFTCAP:
+        if BUG == 6:  # mutant: the cap applied to the unscaled dot product, the scale after it
+            t = _tanh(qk * (LOG2E / cap2))
+            s = t * (cap2 * qk_scale / LOG2E)
+        else:
+            t = _tanh(qk * (qk_scale / cap2))
+            s = t * cap2
+    else:
+        s = qk * qk_scale
+        t = s  # unused
+    if ALIBI:
+        dist = tl.abs(qi + DIAG - kj).to(tl.float32)
+        if BUG == 8:  # mutant: the ALiBi bias added with the wrong sign
+            s = s + slope2 * dist
+        else:
+            s = s - slope2 * dist
+    return s, t
+
+
+@triton.jit
+def _slope(SLOPES, ssb, b, h, ALIBI: tl.constexpr):
+    """Head h's ALiBi slope in base 2 (0.0 when ALIBI is off: never read then)."""
+    if ALIBI:
+        return tl.load(SLOPES + b * ssb + h) * LOG2E
+    else:
+        return 0.0
+
+
 # ----------------------------------------------------------------------------------- forward
 
 @triton.jit
-def _kv_tile(q, k_base, v_base, skn, svn, offs_n, offs_m, Sk, D, Dv, OFF, qk_scale,
-             MASKED: tl.constexpr, CAUSAL: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
-             PAD_D: tl.constexpr, PAD_DV: tl.constexpr, DOT_PREC: tl.constexpr):
-    """Load one key/value tile and its scaled scores; masked keys (past Sk, or in a row's future) get -inf."""
+def _kv_tile(q, k_base, v_base, skn, svn, offs_n, offs_m, Sk, D, Dv, OFF, qk_scale, LOFF, DIAG, cap2, slope2,
+             MASKED: tl.constexpr, CAUSAL: tl.constexpr, LEFT: tl.constexpr, SOFTCAP: tl.constexpr,
+             ALIBI: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
+             PAD_D: tl.constexpr, PAD_DV: tl.constexpr, DOT_PREC: tl.constexpr, BUG: tl.constexpr):
+    """Load one key/value tile and its base-2 logits (and tanh, see _logits); masked keys (past Sk, or
+    outside a row's band) get -inf."""
     offs_d = tl.arange(0, D_PAD)
     offs_dv = tl.arange(0, DV_PAD)
     k = _load2d(k_base + offs_n[:, None] * skn + offs_d[None, :], offs_n, Sk, offs_d, D, MASKED, PAD_D)
     v = _load2d(v_base + offs_n[:, None] * svn + offs_dv[None, :], offs_n, Sk, offs_dv, Dv, MASKED, PAD_DV)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+    s, t = _logits(tl.dot(q, tl.trans(k), input_precision=DOT_PREC), offs_m[:, None], offs_n[None, :],
+                   qk_scale, cap2, slope2, DIAG, SOFTCAP, ALIBI, BUG)
     if MASKED:
         keep = offs_n[None, :] < Sk
         if CAUSAL:
             keep = keep & (offs_n[None, :] <= offs_m[:, None] + OFF)
+        if LEFT:
+            keep = keep & (offs_n[None, :] >= offs_m[:, None] + LOFF)
         s = tl.where(keep, s, float("-inf"))
-    return k, v, s
+    return k, v, s, t
 
 
 @triton.jit
 def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, skn, svn, lo, hi, offs_m, Sk, D, Dv, OFF, qk_scale,
-               MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr,
+               LOFF, DIAG, cap2, slope2,
+               MASKED: tl.constexpr, CAUSAL: tl.constexpr, LEFT: tl.constexpr, SOFTCAP: tl.constexpr,
+               ALIBI: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr,
                DV_PAD: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr, DOT_PREC: tl.constexpr,
                BUG: tl.constexpr):
     offs_n0 = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n0
-        k, v, s = _kv_tile(q, k_base, v_base, skn, svn, offs_n, offs_m, Sk, D, Dv, OFF, qk_scale,
-                           MASKED, CAUSAL, D_PAD, DV_PAD, PAD_D, PAD_DV, DOT_PREC)
+        k, v, s, _ = _kv_tile(q, k_base, v_base, skn, svn, offs_n, offs_m, Sk, D, Dv, OFF, qk_scale,
+                              LOFF, DIAG, cap2, slope2, MASKED, CAUSAL, LEFT, SOFTCAP, ALIBI,
+                              D_PAD, DV_PAD, PAD_D, PAD_DV, DOT_PREC, BUG)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         if MASKED:
             # a row that has seen no key yet keeps m = -inf; shift it by 0 so exp2 gives 0, not NaN
@@ -114,11 +197,12 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, skn, svn, lo, hi, offs_m, Sk, D
     return acc, l_i, m_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=FEATURE_INTS)
 def attn_fwd(Q, K, V, O, LSE,
              sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som,
-             Hq, G, Sq, Sk, D, Dv, OFF, qk_scale,
-             CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+             Hq, G, Sq, Sk, D, Dv, OFF, qk_scale, LOFF, DIAG, cap2, SLOPES, ssb, SINKS,
+             CAUSAL: tl.constexpr, LEFT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+             HAS_SINKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
              D_PAD: tl.constexpr, DV_PAD: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr,
              DOT_PREC: tl.constexpr, BUG: tl.constexpr):
     pid_m = tl.program_id(0)
@@ -136,17 +220,34 @@ def attn_fwd(Q, K, V, O, LSE,
     offs_d = tl.arange(0, D_PAD)
     offs_dv = tl.arange(0, DV_PAD)
     q = _load2d(q_base + offs_m[:, None] * sqm + offs_d[None, :], offs_m, Sq, offs_d, D, True, PAD_D)
+    slope2 = _slope(SLOPES, ssb, b, h, ALIBI)
+    if BUG == 5:  # mutant: the window's left edge one key too far right (i + Sk - Sq - left + 1)
+        LOFF = LOFF + 1
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_SINKS:
+        # the sink starts each row's running max and sum: exp2(sink - m) = 1 (0 for a sink of -inf)
+        m_i = tl.zeros([BLOCK_M], tl.float32) + tl.load(SINKS + h) * LOG2E
+        l_i = tl.where(m_i == float("-inf"), 0.0, 1.0)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DV_PAD], tl.float32)
     lo, hi = _key_range(m0, Sk, OFF, BLOCK_M, BLOCK_N, CAUSAL, BUG)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, skn, svn, 0, lo, offs_m, Sk, D, Dv, OFF,
-                               qk_scale, False, CAUSAL, BLOCK_N, D_PAD, DV_PAD, PAD_D, PAD_DV, DOT_PREC, BUG)
+    if LEFT:
+        start, full, lo = _left_edge(m0, LOFF, lo, hi, BLOCK_M, BLOCK_N)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, skn, svn, start, full, offs_m, Sk, D, Dv,
+                                   OFF, qk_scale, LOFF, DIAG, cap2, slope2, True, CAUSAL, LEFT, SOFTCAP, ALIBI,
+                                   BLOCK_N, D_PAD, DV_PAD, PAD_D, PAD_DV, DOT_PREC, BUG)
+    else:
+        full = 0
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, skn, svn, full, lo, offs_m, Sk, D, Dv, OFF,
+                               qk_scale, LOFF, DIAG, cap2, slope2, False, CAUSAL, LEFT, SOFTCAP, ALIBI,
+                               BLOCK_N, D_PAD, DV_PAD, PAD_D, PAD_DV, DOT_PREC, BUG)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, skn, svn, lo, hi, offs_m, Sk, D, Dv, OFF,
-                               qk_scale, True, CAUSAL, BLOCK_N, D_PAD, DV_PAD, PAD_D, PAD_DV, DOT_PREC, BUG)
+                               qk_scale, LOFF, DIAG, cap2, slope2, True, CAUSAL, LEFT, SOFTCAP, ALIBI,
+                               BLOCK_N, D_PAD, DV_PAD, PAD_D, PAD_DV, DOT_PREC, BUG)
 
-    seen = l_i > 0.0
+    seen = l_i > 0.0  # with a finite sink every row has l >= 1: O = 0 where it saw no key, LSE = sink
     l_safe = tl.where(seen, l_i, 1.0)
     o = acc / l_safe[:, None]  # rows that saw nothing have acc = 0, so O = 0
     if BUG == 2:  # mutant: LSE left in base 2
@@ -193,9 +294,10 @@ def _row_stats(LSE, DELTA, row_base, offs_m, Sq):
 
 @triton.jit
 def _dkdv_inner(dk, dv, k, v, q_base, do_base, LSE, DELTA, row_base, sqm, sdom, lo, hi, offs_n,
-                Sq, D, Dv, OFF, qk_scale,
-                MASKED: tl.constexpr, BLOCK_M: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
-                PAD_D: tl.constexpr, PAD_DV: tl.constexpr, DOT_PREC: tl.constexpr):
+                Sq, D, Dv, OFF, qk_scale, LOFF, DIAG, cap2, slope2,
+                MASKED: tl.constexpr, CAUSAL: tl.constexpr, LEFT: tl.constexpr, SOFTCAP: tl.constexpr,
+                ALIBI: tl.constexpr, BLOCK_M: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
+                PAD_D: tl.constexpr, PAD_DV: tl.constexpr, DOT_PREC: tl.constexpr, BUG: tl.constexpr):
     offs_m0 = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D_PAD)
     offs_dv = tl.arange(0, DV_PAD)
@@ -204,25 +306,35 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, LSE, DELTA, row_base, sqm, sdom, 
         q = _load2d(q_base + offs_m[:, None] * sqm + offs_d[None, :], offs_m, Sq, offs_d, D, True, PAD_D)
         do = _load2d(do_base + offs_m[:, None] * sdom + offs_dv[None, :], offs_m, Sq, offs_dv, Dv, True, PAD_DV)
         lse2, delta = _row_stats(LSE, DELTA, row_base, offs_m, Sq)
-        s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * qk_scale  # (BLOCK_N, BLOCK_M)
+        s_t, t_t = _logits(tl.dot(k, tl.trans(q), input_precision=DOT_PREC), offs_m[None, :], offs_n[:, None],
+                           qk_scale, cap2, slope2, DIAG, SOFTCAP, ALIBI, BUG)  # (BLOCK_N, BLOCK_M)
         if MASKED:  # hidden scores go to -inf before exp2, so no inf is ever formed
-            s_t = tl.where(offs_m[None, :] + OFF >= offs_n[:, None], s_t, float("-inf"))
+            if LEFT:
+                keep = offs_n[:, None] >= offs_m[None, :] + LOFF
+                if CAUSAL:
+                    keep = keep & (offs_m[None, :] + OFF >= offs_n[:, None])
+                s_t = tl.where(keep, s_t, float("-inf"))
+            else:
+                s_t = tl.where(offs_m[None, :] + OFF >= offs_n[:, None], s_t, float("-inf"))
         p_t = tl.exp2(s_t - lse2[None, :])
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PREC)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
         ds_t = p_t * (dp_t - delta[None, :])
+        if SOFTCAP and BUG != 7:  # through the cap: d(c tanh(s / c))/ds = 1 - tanh^2 (mutant 7 drops it)
+            ds_t = ds_t * (1.0 - t_t * t_t)
         dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PREC)
     return dk, dv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=FEATURE_INTS)
 def attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV,
                   sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdom,
                   sdkb, sdkh, sdkn, sdvb, sdvh, sdvn,
-                  Hq, Hkv, G, Sq, Sk, D, Dv, OFF, qk_scale, sm_scale,
-                  CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  Hq, Hkv, G, Sq, Sk, D, Dv, OFF, qk_scale, sm_scale, LOFF, DIAG, cap2, SLOPES, ssb,
+                  CAUSAL: tl.constexpr, LEFT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   D_PAD: tl.constexpr, DV_PAD: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr,
-                  DOT_PREC: tl.constexpr):
+                  DOT_PREC: tl.constexpr, BUG: tl.constexpr):
     """One program per (key tile, batch, kv head): loops over the group's query heads and query tiles."""
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -246,15 +358,32 @@ def attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV,
     else:
         lo = 0
         mid = 0
+    if BUG == 5:  # mutant (see attn_fwd)
+        LOFF = LOFF + 1
+    if LEFT:
+        # by the left edge, queries up to n0 - LOFF see every key of this tile, past n0 + BLOCK_N - 1 - LOFF
+        # none: rows [mid, full) run unmasked, [full, end) masked (full is aligned, or Sq, or mid)
+        end = tl.minimum(Sq, tl.maximum(n0 + BLOCK_N - LOFF, 0))
+        full = tl.maximum(tl.minimum((tl.maximum(n0 - LOFF + 1, 0) // BLOCK_M) * BLOCK_M, Sq), mid)
+    else:
+        end = Sq
+        full = Sq
     for g in range(G):
         h = hk * G + g
         q_base = Q + b * sqb + h * sqh
         do_base = DO + b * sdob + h * sdoh
         row_base = (b * Hq + h) * Sq
+        slope2 = _slope(SLOPES, ssb, b, h, ALIBI)
         dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, LSE, DELTA, row_base, sqm, sdom, lo, mid, offs_n,
-                             Sq, D, Dv, OFF, qk_scale, True, BLOCK_M, D_PAD, DV_PAD, PAD_D, PAD_DV, DOT_PREC)
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, LSE, DELTA, row_base, sqm, sdom, mid, Sq, offs_n,
-                             Sq, D, Dv, OFF, qk_scale, False, BLOCK_M, D_PAD, DV_PAD, PAD_D, PAD_DV, DOT_PREC)
+                             Sq, D, Dv, OFF, qk_scale, LOFF, DIAG, cap2, slope2, True, CAUSAL, LEFT, SOFTCAP,
+                             ALIBI, BLOCK_M, D_PAD, DV_PAD, PAD_D, PAD_DV, DOT_PREC, BUG)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, LSE, DELTA, row_base, sqm, sdom, mid, full, offs_n,
+                             Sq, D, Dv, OFF, qk_scale, LOFF, DIAG, cap2, slope2, False, CAUSAL, LEFT, SOFTCAP,
+                             ALIBI, BLOCK_M, D_PAD, DV_PAD, PAD_D, PAD_DV, DOT_PREC, BUG)
+        if LEFT:
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, LSE, DELTA, row_base, sqm, sdom, full, end,
+                                 offs_n, Sq, D, Dv, OFF, qk_scale, LOFF, DIAG, cap2, slope2, True, CAUSAL, LEFT,
+                                 SOFTCAP, ALIBI, BLOCK_M, D_PAD, DV_PAD, PAD_D, PAD_DV, DOT_PREC, BUG)
     dk = dk * sm_scale
     _store2d(DK + b * sdkb + hk * sdkh + offs_n[:, None] * sdkn + offs_d[None, :], dk.to(DK.dtype.element_ty),
              offs_n, Sk, offs_d, D, PAD_D)
@@ -264,27 +393,34 @@ def attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV,
 
 @triton.jit
 def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, skn, svn, lo, hi, offs_m, Sk, D, Dv, OFF, qk_scale,
-              MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr,
-              DV_PAD: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr, DOT_PREC: tl.constexpr):
+              LOFF, DIAG, cap2, slope2,
+              MASKED: tl.constexpr, CAUSAL: tl.constexpr, LEFT: tl.constexpr, SOFTCAP: tl.constexpr,
+              ALIBI: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr,
+              DV_PAD: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr, DOT_PREC: tl.constexpr,
+              BUG: tl.constexpr):
     offs_n0 = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n0
-        k, v, s = _kv_tile(q, k_base, v_base, skn, svn, offs_n, offs_m, Sk, D, Dv, OFF, qk_scale,
-                           MASKED, CAUSAL, D_PAD, DV_PAD, PAD_D, PAD_DV, DOT_PREC)
+        k, v, s, t = _kv_tile(q, k_base, v_base, skn, svn, offs_n, offs_m, Sk, D, Dv, OFF, qk_scale,
+                              LOFF, DIAG, cap2, slope2, MASKED, CAUSAL, LEFT, SOFTCAP, ALIBI,
+                              D_PAD, DV_PAD, PAD_D, PAD_DV, DOT_PREC, BUG)
         p = tl.exp2(s - lse2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
         ds = p * (dp - delta[:, None])
+        if SOFTCAP and BUG != 7:  # through the cap (see _dkdv_inner)
+            ds = ds * (1.0 - t * t)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
     return dq
 
 
-@triton.jit
+@triton.jit(do_not_specialize=FEATURE_INTS)
 def attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ,
                 sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdom, sdqb, sdqh, sdqm,
-                Hq, G, Sq, Sk, D, Dv, OFF, qk_scale, sm_scale,
-                CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                Hq, G, Sq, Sk, D, Dv, OFF, qk_scale, sm_scale, LOFF, DIAG, cap2, SLOPES, ssb,
+                CAUSAL: tl.constexpr, LEFT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 D_PAD: tl.constexpr, DV_PAD: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr,
-                DOT_PREC: tl.constexpr):
+                DOT_PREC: tl.constexpr, BUG: tl.constexpr):
     """One program per (query tile, batch, query head): loops over the key tiles it sees."""
     pid_m = tl.program_id(0)
     if CAUSAL:
@@ -302,14 +438,26 @@ def attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ,
     do = _load2d(DO + b * sdob + h * sdoh + offs_m[:, None] * sdom + offs_dv[None, :], offs_m, Sq, offs_dv, Dv,
                  True, PAD_DV)
     lse2, delta = _row_stats(LSE, DELTA, pid_bh.to(tl.int64) * Sq, offs_m, Sq)
+    slope2 = _slope(SLOPES, ssb, b, h, ALIBI)
+    if BUG == 5:  # mutant (see attn_fwd)
+        LOFF = LOFF + 1
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
     dq = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     lo, hi = _key_range(m0, Sk, OFF, BLOCK_M, BLOCK_N, CAUSAL, 0)
-    dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, skn, svn, 0, lo, offs_m, Sk, D, Dv, OFF, qk_scale,
-                   False, CAUSAL, BLOCK_N, D_PAD, DV_PAD, PAD_D, PAD_DV, DOT_PREC)
+    if LEFT:
+        start, full, lo = _left_edge(m0, LOFF, lo, hi, BLOCK_M, BLOCK_N)
+        dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, skn, svn, start, full, offs_m, Sk, D, Dv, OFF,
+                       qk_scale, LOFF, DIAG, cap2, slope2, True, CAUSAL, LEFT, SOFTCAP, ALIBI,
+                       BLOCK_N, D_PAD, DV_PAD, PAD_D, PAD_DV, DOT_PREC, BUG)
+    else:
+        full = 0
+    dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, skn, svn, full, lo, offs_m, Sk, D, Dv, OFF, qk_scale,
+                   LOFF, DIAG, cap2, slope2, False, CAUSAL, LEFT, SOFTCAP, ALIBI,
+                   BLOCK_N, D_PAD, DV_PAD, PAD_D, PAD_DV, DOT_PREC, BUG)
     dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, skn, svn, lo, hi, offs_m, Sk, D, Dv, OFF, qk_scale,
-                   True, CAUSAL, BLOCK_N, D_PAD, DV_PAD, PAD_D, PAD_DV, DOT_PREC)
+                   LOFF, DIAG, cap2, slope2, True, CAUSAL, LEFT, SOFTCAP, ALIBI,
+                   BLOCK_N, D_PAD, DV_PAD, PAD_D, PAD_DV, DOT_PREC, BUG)
     dq = dq * sm_scale
     _store2d(DQ + b * sdqb + h * sdqh + offs_m[:, None] * sdqm + offs_d[None, :], dq.to(DQ.dtype.element_ty),
              offs_m, Sq, offs_d, D, PAD_D)

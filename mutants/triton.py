@@ -1,6 +1,10 @@
 """Broken builds of the fused Triton kernel, one constexpr switch each (impls/triton_kernels.py).
 
 On a machine without CUDA they run in Triton's interpreter, so CPU CI kills them too.
+
+FEATURE_BUGS break the optional features (window, softcap, ALiBi, sinks). The property suite
+reaches them only where triton-fused declares those features; until then
+properties/test_triton_features.py kills each of them with its own dense float64 check.
 """
 from impls import triton_fused
 
@@ -10,5 +14,11 @@ BUGS = {
     "drop_partial_tile": "last partial key tile dropped (Triton)",
     "bwd_no_delta": "backward drops the rowsum(dO * O) term (Triton)",
 }
+FEATURE_BUGS = {
+    "window_off_by_one": "window's left edge one key too far right (Triton)",
+    "softcap_before_scale": "softcap applied to q.k before the scale (Triton)",
+    "softcap_no_tanh_grad": "backward omits the softcap's 1 - tanh^2 (Triton)",
+    "alibi_sign": "ALiBi bias added with the wrong sign (Triton)",
+}
 
-globals().update({bug: triton_fused.make_mutant(bug) for bug in BUGS})
+globals().update({bug: triton_fused.make_mutant(bug) for bug in {**BUGS, **FEATURE_BUGS}})
