@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.interpreter if tf.INTERPRET else pytest.mark.gpu,
               pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(),
                                  reason="triton-fused needs CUDA or TRITON_INTERPRET=1")]
 NAMES = ("o", "lse", "dq", "dk", "dv", "dsinks")
-K = {**orc.K, "dsinks": 3}
+K = {**orc.K_NAIVE, "dsinks": 3}
 
 
 def visible(sq, sk, causal, window):
@@ -143,7 +143,7 @@ def check(fn, case, names=NAMES):
         with np.errstate(invalid="ignore"):  # inf - inf where both are the same infinity
             dense_err = float(np.abs(plain - want)[held].max(initial=0.0))
             err = np.where(held, np.abs(out - want), 0.0)
-        floor = orc.FLOOR * (EPS["float32"] * (1 + logit_max) + EPS[dtype]) * mag[name]
+        floor = orc.FLOOR_NAIVE * (EPS["float32"] * (1 + logit_max) + EPS[dtype]) * mag[name]
         limit = K[name] * dense_err + floor + orc.half_spacing(want, rdt)
         if not (err <= limit).all():
             idx = np.unravel_index(np.argmax(err - limit), err.shape)
