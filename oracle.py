@@ -185,7 +185,9 @@ def _rounding_bounds(case: AttentionCase) -> dict:
     o_var = np.maximum(w2 @ (v * v), w2 @ (v * v) - 2 * o * (w2 @ v) + o * o * w2.sum(-1, keepdims=True))
     out["o"] = _bound(o_worst, o_var, acc(sk) * (p @ av + ao))
     # LSE = m + log(sum_j exp(s_j - m)) from float32 P: only the scores' errors and the sums.
-    out["lse"] = _bound((p * score_worst).sum(-1), (p * p * score_var).sum(-1), acc(sk) + u_acc * np.abs(lse[..., 0]))
+    # Equal scores (identical keys) carry equal errors: the LSE's are taken as fully aligned.
+    out["lse"] = _bound((p * score_worst).sum(-1), (p * np.sqrt(score_var)).sum(-1) ** 2,
+                        acc(sk) + u_acc * np.abs(lse[..., 0]))
     # dV_j = sum_i P_ij dO_i over the rows of every head of the group.
     out["dv"] = _bound((_swap(w) @ ado).sum(2), (_swap(w2) @ (ado * ado)).sum(2),
                        acc(rows) * (_swap(p) @ ado).sum(2))
@@ -198,13 +200,17 @@ def _rounding_bounds(case: AttentionCase) -> dict:
     d_worst = (ado * (o_worst + o_round)).sum(-1, keepdims=True) + acc(dv) * (ado * ao).sum(-1, keepdims=True)
     d_var = (ado * ado * (o_var + o_round * o_round * VAR)).sum(-1, keepdims=True)
     dp_err = p * acc(dv) * (ado @ _swap(av))
-    eta = a_ds * (rho + u_p) + dp_err + sub
-    eta2 = ds * ds * (rho_var + VAR * u_p ** 2) + VAR * dp_err ** 2 + sub * sub / 3
+    sub_ds = sub * (1 + np.abs(dp - (do * o).sum(-1, keepdims=True)))  # P's and dS's own subnormals
+    eta = a_ds * (rho + u_p) + dp_err + sub_ds
+    eta2 = ds * ds * (rho_var + VAR * u_p ** 2) + VAR * dp_err ** 2 + sub_ds * sub_ds / 3
     pk = np.abs(p @ k)  # D's error enters dQ_i as dD_i (P K)_i: cancellation in P K counts
     out["dq"] = sc * _bound(eta @ ak + d_worst * pk, eta2 @ (ak * ak) + d_var * pk * pk, acc(sk) * (a_ds @ ak))
     pd, pd2 = p * d_worst, p * p * d_var
     out["dk"] = sc * _bound((_swap(eta + pd) @ aq).sum(2), (_swap(eta2 + pd2) @ (aq * aq)).sum(2),
                             acc(rows) * (_swap(a_ds) @ aq).sum(2))
+    if q.shape[2] > 1:  # GQA: FlashAttention-2 rounds each query head's dK and dV to t, then sums the group
+        out["dk"] = out["dk"] + u_p * sc * np.abs(_swap(ds) @ q).sum(2)
+        out["dv"] = out["dv"] + u_p * np.abs(_swap(p) @ do).sum(2)
     shape = {"o": (case.batch, case.hq, case.sq, case.dv), "lse": (case.batch, case.hq, case.sq),
              "dq": (case.batch, case.hq, case.sq, case.d)}
     return {n: b.reshape(shape[n]) + FTZ[pr.acc] if n in shape else b + FTZ[pr.acc] for n, b in out.items()}

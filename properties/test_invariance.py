@@ -48,7 +48,11 @@ def test_adding_one_vector_to_every_key_leaves_output_unchanged(impl, case, shif
     base = ph.forward(impl, case).o
     moved = ph.forward(impl, case, k=shifted).o
     budget, _ = orc.allowed(case, "o")
-    orc.compare(case, "o", moved, want=base, budget=4 * budget + drift, who=f"{impl.name} (keys shifted)")
+    # The shift adds q.c to every logit: the kernel's float32 scores carry that much more rounding.
+    vv = ph.kv_heads(case, v)
+    extra = 2 * np.sqrt(case.d) * fs.EPS["float32"] * abs(case.effective_scale) * np.abs(q @ c).max(initial=0) \
+        * np.abs(vv).max(initial=0)
+    orc.compare(case, "o", moved, want=base, budget=4 * budget + drift + extra, who=f"{impl.name} (keys shifted)")
 
 
 @given(case=fs.cases(), pick=seeds)
