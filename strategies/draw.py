@@ -42,7 +42,8 @@ def limits() -> dict:
 def lengths(block: int, top: int):
     """A sequence length: small first, then the boundaries around one and two blocks."""
     edges = sorted({n for b in (block, 2 * block) for n in (b - 1, b, b + 1) if 1 <= n <= top})
-    return st.one_of(st.integers(1, top), st.sampled_from(edges or [1]))
+    # the third branch keeps one-by-one problems a small minority of what is drawn
+    return st.one_of(st.integers(1, top), st.sampled_from(edges or [1]), st.integers(max(1, top // 4), top))
 
 
 @st.composite
@@ -142,7 +143,7 @@ def fit(impl, case: AttentionCase) -> AttentionCase:
     lo, hi = impl.head_dims
     c = c.replace(d=min(max(c.d, lo), hi), dv=min(max(c.d if impl.equal_head_dims else c.dv, lo), hi))
     if c.dtype not in HALF and max(c.sq, c.sk) > limits()["seq"]:
-        c = c.replace(sq=min(c.sq, limits()["seq"]), sk=min(c.sk, limits()["seq"]))  # long is for half types
+        reject()  # the long region is for fp16/bf16 kernels; cutting it short would stall the shrinker
     top = impl.max_seq or max(c.sq, c.sk)
     m = impl.seq_multiple
     sq, sk = (min(max(m, -(-n // m) * m), top // m * m or m) for n in (c.sq, c.sk))
