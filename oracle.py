@@ -30,7 +30,7 @@ import numpy as np
 from impls import numpy_ref
 from strategies.case import EPS, AttentionCase, quantize
 
-K = {"o": 2, "lse": 2, "dq": 3, "dk": 3, "dv": 3}
+K = {"o": 2, "lse": 2, "dq": 3, "dk": 3, "dv": 3, "dsinks": 3}
 FLOOR = 8
 
 
@@ -41,6 +41,7 @@ class Truth:
     dq: np.ndarray
     dk: np.ndarray
     dv: np.ndarray
+    dsinks: np.ndarray | None  # the sink logits' gradient (Hq,); None without sinks
     mag: dict  # absolute-value size of each result's defining sum (see module doc)
     logit_max: float
 
@@ -59,10 +60,10 @@ def truth(case: AttentionCase) -> Truth:
     q, k, v, do = case.inputs()
     kw = case.reference_kwargs()
     o, lse = numpy_ref.dense_forward(q, k, v, **kw)
-    dq, dk, dv = numpy_ref.dense_backward(q, k, v, o, lse, do, **kw)
+    dq, dk, dv, *dsinks = numpy_ref.dense_backward(q, k, v, o, lse, do, **kw)
     # |P|-weighted sums of absolute values bound the rounding of each result's sum.
-    p, _, (qg, kg, vg, sc, _) = numpy_ref.dense_probs(q, k, v, kw["causal"], kw["scale"], "oracle")
-    s = sc * (qg @ np.swapaxes(kg, -1, -2))
+    p, _, (qg, kg, vg, sc, _), extra = numpy_ref.dense_probs(q, k, v, who="oracle", **kw)
+    s = extra["s"]
     dog, og = _group(case, do), _group(case, o)
     abs_ds = p * (np.abs(dog) @ np.abs(np.swapaxes(vg, -1, -2)) + np.abs((dog * og).sum(-1))[..., None])
     sc = abs(sc)
@@ -73,8 +74,10 @@ def truth(case: AttentionCase) -> Truth:
         "dq": sc * (abs_ds @ np.abs(kg)).max(initial=0),
         "dk": sc * (np.swapaxes(abs_ds, -1, -2) @ np.abs(qg)).sum(2).max(initial=0),
     }
+    if dsinks:  # dsinks_h = -sum over batch and rows of P_sink * rowsum(dO * O)
+        mag["dsinks"] = (extra["psink"] * (np.abs(dog) * np.abs(og)).sum(-1)).sum(axis=(0, 3)).max(initial=0)
     logit_max = float(np.abs(np.where(case.visible(), s, 0)).max(initial=0))
-    return Truth(o, lse, dq, dk, dv, mag, logit_max)
+    return Truth(o, lse, dq, dk, dv, dsinks[0] if dsinks else None, mag, logit_max)
 
 
 def _dense_torch(case: AttentionCase, dtype: str) -> dict:
@@ -86,14 +89,24 @@ def _dense_torch(case: AttentionCase, dtype: str) -> dict:
     g = case.hq // case.hkv
     kk, vv = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
     s = (q @ kk.transpose(-1, -2)) * case.effective_scale
-    vis = torch.from_numpy(case.visible())
-    p = torch.softmax(s.masked_fill(~vis, float("-inf")), dim=-1)
+    if case.softcap:
+        s = case.softcap * torch.tanh(s / case.softcap)
+    if case.alibi is not None:
+        slopes = torch.from_numpy(case.alibi_slopes()).to(dt)
+        dist = (torch.arange(case.sq)[:, None] + case.sk - case.sq - torch.arange(case.sk)[None, :]).abs().to(dt)
+        s = s - slopes.reshape(-1 if slopes.ndim == 2 else 1, case.hq, 1, 1) * dist
+    s = s.masked_fill(~torch.from_numpy(case.visible()), float("-inf"))
+    sink = None
+    if case.sinks is not None:  # the sink: one more logit per head in every row, with no value
+        sink = torch.from_numpy(case.sink_logits()).to(dt).requires_grad_()
+        s = torch.cat([s, sink.reshape(1, -1, 1, 1).expand(*s.shape[:3], 1)], dim=-1)
+    p = torch.softmax(s, dim=-1)
     p = torch.nan_to_num(p, nan=0.0)  # rows that see no key: softmax of all -inf
-    o = p @ vv
-    lse = torch.logsumexp(s.masked_fill(~vis, float("-inf")), dim=-1)
+    o = p[..., :case.sk] @ vv
+    lse = torch.logsumexp(s, dim=-1)
     o.backward(do.detach())
-    return {n: t.detach().to(torch.float64).numpy()
-            for n, t in (("o", o), ("lse", lse), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad))}
+    grads = (("dq", q.grad), ("dk", k.grad), ("dv", v.grad)) + ((("dsinks", sink.grad),) if sink is not None else ())
+    return {n: t.detach().to(torch.float64).numpy() for n, t in (("o", o), ("lse", lse)) + grads}
 
 
 @functools.lru_cache(maxsize=64)

@@ -11,6 +11,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from strategies.case import CASE_PATTERN
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS: list = []  # (spec, bug class, Verdict) of this session, for the table
 # Cheapest properties first, so a kill is found as early as it can be; -x stops at it.
@@ -49,7 +51,7 @@ def run_suite(spec: str, pins: bool = True, timeout: float = 600) -> Verdict:
     if proc.returncode not in (0, 1):
         raise RuntimeError(f"pytest could not run {spec} (exit {proc.returncode}):\n{out[-3000:]}")
     failed = re.search(r"^FAILED (\S+)", out, re.M)
-    cases = re.findall(r"case: (AttentionCase\([^)]*\))", out)
+    cases = re.findall(f"case: ({CASE_PATTERN.pattern})", out)
     return Verdict(spec, proc.returncode == 1, seconds, failed.group(1) if failed else "",
                    cases[-1] if cases else "", out)
 

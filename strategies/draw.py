@@ -13,6 +13,7 @@ from hypothesis import note, reject, settings
 from hypothesis import strategies as st
 
 from strategies.case import REGIMES, AttentionCase
+from strategies.features import feature_fields, fit_features
 
 # How large cases get, by Hypothesis profile; "default" also covers unknown profiles.
 LIMITS = {
@@ -47,12 +48,13 @@ def lengths(block: int, top: int):
 
 @st.composite
 def cases(draw, *, dtypes=None, causal=None, regimes=REGIMES, masked_rows=False, masked_keys=False,
-          equal_lengths=False):
+          equal_lengths=False, features=()):
     """Draw an AttentionCase.
 
     ``causal`` fixes the alignment (or "none"); ``masked_rows=True`` forces a
     bottom-right case with query rows that see no key, ``masked_keys=True`` a top-left
-    case with keys no query sees; ``regimes`` narrows the logits.
+    case with keys no query sees; ``regimes`` narrows the logits; ``features`` names the
+    features (strategies/features.py) that may be drawn on, each shrinking to off.
     """
     lim = limits()
     batch = draw(st.integers(1, lim["batch"]), label="batch")
@@ -82,8 +84,9 @@ def cases(draw, *, dtypes=None, causal=None, regimes=REGIMES, masked_rows=False,
                  label="dtype")
     regime = draw(st.sampled_from(regimes), label="regime")
     seed = draw(st.integers(0, 2**32 - 1), label="seed")
+    extra = draw(feature_fields(features, batch=batch, hq=hq, seq=lim["seq"])) if features else {}
     return AttentionCase(batch=batch, hq=hq, hkv=hkv, sq=sq, sk=sk, d=d, dv=dv, causal=align, scale=scale,
-                         dtype=dtype, block_q=block_q, block_k=block_k, regime=regime, seed=seed)
+                         dtype=dtype, block_q=block_q, block_k=block_k, regime=regime, seed=seed, **extra)
 
 
 # Precision distance: an unsupported dtype is replaced by the nearest one supported.
@@ -103,7 +106,7 @@ def fit(impl, case: AttentionCase) -> AttentionCase:
     Fitting, not filtering, keeps every draw useful and lets an ``@example`` pin one
     case for every implementation.
     """
-    c = case
+    c = fit_features(impl, case)
     if c.dtype not in impl.dtypes:
         c = c.replace(dtype=min(impl.dtypes, key=lambda t: abs(_PRECISION[t] - _PRECISION[c.dtype])))
     if c.causal is not None and c.causal not in impl.causal:
