@@ -7,6 +7,7 @@ values; products are split into 16-bit halves so no int64 ever overflows.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 M32 = 0xFFFFFFFF
@@ -25,13 +26,13 @@ def _fmix32(x):
     return x ^ (x >> 16)
 
 
-def uniform(seed: int, counter: torch.Tensor) -> torch.Tensor:
-    """float64 in [0, 1) for each int64 counter (counters below 2^62)."""
+def uniform(seed: int, counter):
+    """float64 in [0, 1) for each int64 counter (counters below 2^62); a torch tensor or a NumPy array."""
     key = _fmix32((seed & M32) ^ 0x9E3779B9)
     key2 = _fmix32(((seed >> 32) & M32) ^ 0x7F4A7C15)
     x = _fmix32((counter & M32) ^ key)
     x = _fmix32((x + (counter >> 32) + key2) & M32)
-    return x.to(torch.float64) / 2.0 ** 32
+    return (x.to(torch.float64) if isinstance(x, torch.Tensor) else x.astype(np.float64)) / 2.0 ** 32
 
 
 def keep(seed: int, p: float, counter: torch.Tensor) -> torch.Tensor:
@@ -42,3 +43,8 @@ def keep(seed: int, p: float, counter: torch.Tensor) -> torch.Tensor:
 def position_counter(b: int, h: int, sq: int, sk: int, device=None) -> torch.Tensor:
     """The counter of every position of a (B, H, Sq, Sk) score tensor: ((b * H + h) * Sq + i) * Sk + j."""
     return torch.arange(b * h * sq * sk, device=device, dtype=torch.int64).view(b, h, sq, sk)
+
+
+def keep_mask(b: int, h: int, sq: int, sk: int, p: float, seed: int, device=None) -> torch.Tensor:
+    """The whole (B, H, Sq, Sk) keep mask for dropout probability p and this seed."""
+    return keep(seed, p, position_counter(b, h, sq, sk, device))

@@ -284,8 +284,7 @@ def _check_features(q, window, softcap, alibi_slopes, sinks, dropout_p):
 
 def dropout_mask(q, k, v, p, seed):
     """The keep mask (B, Hq, Sq, Sk) torch-tiled draws for dropout_p=p, dropout_seed=seed."""
-    b, hq, sq, sk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
-    return counter_rng.keep(seed, p, counter_rng.position_counter(b, hq, sq, sk, q.device))
+    return counter_rng.keep_mask(q.shape[0], q.shape[1], q.shape[2], k.shape[2], p, seed, q.device)
 
 
 @implementation(name=WHO, causal=("bottom_right", "top_left"), dtypes=DTYPES, devices=("cpu", "cuda"),
