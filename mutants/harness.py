@@ -16,8 +16,8 @@ from strategies.case import CASE_PATTERN
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS: list = []  # (spec, bug class, Verdict) of this session, for the table
 # Cheapest properties first, so a kill is found as early as it can be; -x stops at it.
-FILES = ["properties/test_forward.py", "properties/test_backward.py", "properties/test_invariance.py",
-         "properties/test_bad_input.py"]
+FILES = ["properties/test_forward.py", "properties/test_backward.py", "properties/test_features.py",
+         "properties/test_dropout.py", "properties/test_invariance.py", "properties/test_bad_input.py"]
 
 
 @dataclass

@@ -5,7 +5,7 @@ same path a user's plug-in takes. The table printed at the end is README's mutan
 """
 import pytest
 
-from mutants import harness, tiled
+from mutants import features, harness, tiled
 
 try:
     from mutants import triton as triton_mutants
@@ -15,11 +15,12 @@ except ImportError:  # no triton here: its mutants cannot run, the NumPy ones st
 pytestmark = pytest.mark.mutants
 
 MUTANTS = [(f"mutants/tiled.py:{bug}", what) for bug, what in tiled.BUGS.items()]
+MUTANTS += [(f"mutants/features.py:{bug}", what) for bug, what in features.BUGS.items()]
 if triton_mutants is not None:
     MUTANTS += [(f"mutants/triton.py:{bug}", what) for bug, what in triton_mutants.BUGS.items()]
 # The mutants' own correct build is the false-alarm check CI runs; the built-ins pass the
 # main suite already, so repeating them here through the harness is opt-in (slow).
-CORRECT = ["mutants/tiled.py:correct",
+CORRECT = ["mutants/tiled.py:correct", "mutants/features.py:correct",
            pytest.param("impls.numpy_ref:tiled_forward", marks=pytest.mark.slow),
            pytest.param("impls.triton_fused:attention", marks=pytest.mark.slow)]
 RESULTS = harness.RESULTS
