@@ -26,6 +26,10 @@ CORRECT = ["mutants/tiled.py:correct", "mutants/features.py:correct",
 RESULTS = harness.RESULTS
 
 
+def _files(spec):
+    return harness.FEATURE_FILES if spec.startswith("mutants/features.py") else harness.FILES
+
+
 def small(case) -> bool:
     """Batch 1, at most two kv heads, and lengths within two of the case's blocks plus one."""
     reach = lambda n, block: n <= max(2 * block + 1, 9)  # noqa: E731
@@ -37,7 +41,7 @@ def small(case) -> bool:
 @pytest.mark.parametrize("pins", [pytest.param(True, marks=pytest.mark.slow), False], ids=["pinned", "shrunk"])
 @pytest.mark.parametrize("spec,what", MUTANTS, ids=[s.split("/")[-1].replace(".py:", "-") for s, _ in MUTANTS])
 def test_mutant_is_killed_with_a_small_case(spec, what, pins):
-    verdict = harness.run_suite(spec, pins=pins)
+    verdict = harness.run_suite(spec, pins=pins, files=_files(spec))
     RESULTS.append((spec, what, pins, verdict))
     assert verdict.killed, f"{spec} ({what}) survived the property suite:\n{verdict.output[-2000:]}"
     assert verdict.case, f"{spec} was killed by {verdict.test} but no shrunk case was reported"
@@ -47,6 +51,6 @@ def test_mutant_is_killed_with_a_small_case(spec, what, pins):
 
 @pytest.mark.parametrize("spec", CORRECT)
 def test_correct_kernel_raises_no_false_alarm(spec):
-    verdict = harness.run_suite(spec)
+    verdict = harness.run_suite(spec, files=_files(spec))
     RESULTS.append((spec, "correct", True, verdict))
     assert not verdict.killed, f"{spec} is correct but failed {verdict.test}:\n{verdict.output[-3000:]}"
