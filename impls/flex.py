@@ -18,7 +18,7 @@ import warnings
 import torch
 
 from impls import implementation
-from impls.checks import alignment, check_inputs, offset
+from impls.checks import alignment, check_features, check_inputs, offset
 
 try:
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -90,7 +90,8 @@ def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0
         raise ValueError(f"{WHO}: unsupported device {q.device}; supported: {'cuda' if _CUDA else 'cpu'}")
     b, hq, hkv, sq, sk, d, dv = check_inputs(q, k, v, dtypes=DTYPES, who=WHO)
     align = alignment(causal)
-    window = (-1, -1) if window is None else tuple(window)
+    window = check_features(q, who=WHO, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                            sinks=sinks) or (-1, -1)
     if align is not None or window != (-1, -1):
         mask = create_block_mask(_mask_mod(sq, sk, align, window), None, None, sq, sk, device=q.device)
     else:

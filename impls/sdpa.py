@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from impls import KnownIssue, implementation
-from impls.checks import alignment, check_inputs
+from impls.checks import alignment, check_features, check_inputs
 
 try:
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -161,6 +161,7 @@ def _register(name, backend, *, devices, dtypes, gqa=HAS_GQA, head_dims=(1, 256)
             alignment(causal)  # names a malformed value
             raise ValueError(f"{who}: SDPA's is_causal is top-left aligned; {causal!r} is not supported")
         causal = causal in (True, "top_left")
+        window = check_features(q, who=who, window=window, alibi_slopes=alibi_slopes)
         mask = feature_mask(q, k, causal, window, alibi_slopes)
         return call_sdpa(q, k, v, backend=backend, causal=causal, scale=None if scale is None else float(scale),
                          attn_mask=mask, **adapt)

@@ -23,7 +23,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from impls import counter_rng, implementation
-from impls.checks import alignment, check_blocks, check_inputs, offset
+from impls.checks import alignment, check_blocks, check_features, check_inputs, offset
 
 WHO = "torch-tiled"
 DTYPES = ("float64", "float32", "float16", "bfloat16")
@@ -266,22 +266,6 @@ def _check_devices(q, k, v):
         raise ValueError(f"{WHO}: unsupported device {q.device}; supported: cpu, cuda")
 
 
-def _check_features(q, window, softcap, alibi_slopes, sinks, dropout_p):
-    b, hq = q.shape[:2]
-    if window is not None and not (len(window) == 2 and all(isinstance(w, int) and w >= -1 for w in window)):
-        raise ValueError(f"{WHO}: window must be (left, right) ints >= -1, got {window!r}")
-    if not softcap >= 0:
-        raise ValueError(f"{WHO}: softcap must be >= 0 (0 = off), got {softcap!r}")
-    for label, x, shapes in (("alibi_slopes", alibi_slopes, ((hq,), (b, hq))), ("sinks", sinks, ((hq,),))):
-        if x is not None and (not isinstance(x, torch.Tensor) or tuple(x.shape) not in shapes):
-            raise ValueError(f"{WHO}: {label} must be a tensor of shape {' or '.join(map(str, shapes))}, "
-                             f"got {getattr(x, 'shape', type(x).__name__)}")
-        if x is not None and x.device != q.device:
-            raise ValueError(f"{WHO}: {label} is on {x.device}, q on {q.device}")
-    if not 0 <= dropout_p < 1:
-        raise ValueError(f"{WHO}: dropout_p must be in [0, 1), got {dropout_p!r}")
-
-
 def dropout_mask(q, k, v, p, seed):
     """The keep mask (B, Hq, Sq, Sk) torch-tiled draws for dropout_p=p, dropout_seed=seed."""
     return counter_rng.keep_mask(q.shape[0], q.shape[1], q.shape[2], k.shape[2], p, seed, q.device)
@@ -303,8 +287,8 @@ def attention(q, k, v, *, causal=False, scale=None, block_q=256, block_k=256, wi
     _check_devices(q, k, v)
     check_inputs(q, k, v, dtypes=DTYPES, who=WHO)
     check_blocks(block_q, block_k, who=WHO)
-    window = None if window is None or tuple(window) == (-1, -1) else tuple(window)
-    _check_features(q, window, softcap, alibi_slopes, sinks, dropout_p)
+    window = check_features(q, who=WHO, window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+                            dropout_p=dropout_p)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     cfg = {"blocks": dict(block_q=block_q, block_k=block_k),
            "features": dict(align=alignment(causal), scale=scale, window=window, softcap=float(softcap),

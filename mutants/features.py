@@ -14,7 +14,7 @@ import math
 import numpy as np
 
 from impls import counter_rng, implementation
-from impls.checks import alignment, check_blocks, check_inputs, offset
+from impls.checks import alignment, check_blocks, check_features, check_inputs, offset
 
 BUGS = {
     "window_left_off_by_one": "window's left edge off by one (one key too few)",
@@ -73,6 +73,8 @@ def _weights(cfg, rows, cols, shape, seed_shift=0):
 
 def _setup(q, k, v, causal, scale, window, softcap, alibi_slopes, sinks, dropout_p, dropout_seed, bug):
     b, hq, hkv, sq, sk, d, dv = check_inputs(q, k, v, dtypes=("float32", "float64"), who="feature mutant")
+    window = check_features(q, who="feature mutant", window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                            sinks=sinks, dropout_p=dropout_p)
     heads = np.arange(hq) // (hq // hkv)
     slopes = None if alibi_slopes is None else np.broadcast_to(np.asarray(alibi_slopes, np.float64),
                                                               (b, hq))[:, :, None, None]

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import oracle as orc
 import strategies as fs
-from impls import numpy_ref
+from impls import call, numpy_ref
 from properties import helpers as ph
 from strategies import AttentionCase as Case
 
@@ -205,3 +205,33 @@ def test_reference_backward_with_every_feature_agrees_with_central_differences(c
     note(f"numeric {numeric!r}, analytic {analytic!r}")
     assert abs(numeric - analytic) <= 1e-6 * (1 + size), (
         f"central difference {numeric:.10g} != analytic {analytic:.10g} (|diff| {abs(numeric - analytic):.3e})")
+
+
+MALFORMED = [  # (feature, keyword, bad value: a callable of (framework array maker) -> value)
+    ("window", "window", lambda arr: (1,)),
+    ("window", "window", lambda arr: (-2, 0)),
+    ("softcap", "softcap", lambda arr: -1.0),
+    ("alibi", "alibi_slopes", lambda arr: arr(np.ones(3, np.float32))),
+    ("sinks", "sinks", lambda arr: arr(np.ones((1, 2), np.float32))),
+    ("dropout", "dropout_p", lambda arr: 1.0),
+]
+
+
+@pytest.mark.parametrize("feature, keyword, bad", MALFORMED, ids=[f"{k}-{i}" for i, (_, k, _) in enumerate(MALFORMED)])
+def test_a_malformed_feature_argument_raises_an_error_naming_it(impl, feature, keyword, bad):
+    if not getattr(impl, feature):
+        pytest.skip(f"{impl.name} does not declare {feature}")
+    case = fs.fit(impl, Case(hq=2, sq=2, sk=3, d=2, dv=2, dtype="float32"))
+    q, k, v, _ = case.inputs()
+    if impl.framework == "numpy":
+        arr, args = np.asarray, tuple(x.astype(case.dtype) for x in (q, k, v))
+    else:
+        import torch
+
+        device = call.device_for(impl)
+        arr = lambda a: torch.from_numpy(a).to(device)  # noqa: E731
+        args = tuple(torch.from_numpy(x).to(device=device, dtype=getattr(torch, case.dtype)) for x in (q, k, v))
+    kw = call.kwargs_for(impl, case, tensor=arr)
+    kw[keyword] = bad(arr)
+    with pytest.raises((ValueError, TypeError), match=keyword):
+        impl.fn(*args, **kw)
