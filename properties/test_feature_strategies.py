@@ -101,6 +101,14 @@ def test_fit_turns_off_exactly_the_undeclared_features(data):
 
 
 @given(case=fs.cases(features=fs.FEATURES))
+def test_fit_never_gives_rows_that_see_no_key_to_an_implementation_that_declares_none(case):
+    impl = implementation(name="no-masked-rows", register=False, dtypes=("float64",), masked_rows=False,
+                          **{f: True for f in fs.FEATURES})(lambda q, k, v, **kw: q).__flashcheck__
+    fitted = fs.fit(impl, case)
+    assert fitted.visible().any(axis=1).all(), f"{case!r} fitted to {fitted!r} still has rows that see no key"
+
+
+@given(case=fs.cases(features=fs.FEATURES))
 def test_a_case_with_features_replays_from_its_repr(case):
     again = eval(repr(case), {"AttentionCase": Case})
     assert again == case, f"{case!r} printed as {repr(case)!r} replays as {again!r}"

@@ -123,6 +123,8 @@ def fit(impl, case: AttentionCase) -> AttentionCase:
     if not impl.masked_rows and c.causal == "bottom_right" and sq > sk:
         sq = sk
     c = c.replace(sq=sq, sk=sk)
+    if not impl.masked_rows and c.window is not None and not c.visible().any(axis=1).all():
+        c = c.replace(window=None)  # a window that empties rows, for one that declares it cannot have them
     if isinstance(impl.blocks, tuple):
         c = c.replace(block_q=_nearest(c.block_q, impl.blocks), block_k=_nearest(c.block_k, impl.blocks))
     if c != case:
