@@ -4,7 +4,7 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, Phase, find, given, settings
+from hypothesis import HealthCheck, Phase, example, find, given, settings
 from hypothesis import strategies as st
 
 import strategies as fs
@@ -101,6 +101,8 @@ def test_fit_turns_off_exactly_the_undeclared_features(data):
 
 
 @given(case=fs.cases(features=fs.FEATURES))
+@example(case=Case(sq=3, sk=1, window=(0, 0)))  # rows 0 and 1 end before key 0
+@example(case=Case(sq=2, sk=4, causal="top_left", window=(1, -1)))  # top-left causal meets the window's left edge
 def test_fit_never_gives_rows_that_see_no_key_to_an_implementation_that_declares_none(case):
     impl = implementation(name="no-masked-rows", register=False, dtypes=("float64",), masked_rows=False,
                           **{f: True for f in fs.FEATURES})(lambda q, k, v, **kw: q).__flashcheck__
