@@ -22,7 +22,7 @@ BUGS = {
     "softcap_before_scale": "softcap applied before the scale",
     "softcap_no_tanh_grad": "backward misses the softcap's tanh derivative",
     "alibi_sign": "ALiBi bias added with the wrong sign",
-    "alibi_top_left": "ALiBi distance |i - j| where |i + Sk - Sq - j| is meant (Sq != Sk)",
+    "alibi_top_left": "ALiBi distance abs(i - j) where abs(i + Sk - Sq - j) is meant (Sq != Sk)",
     "sink_in_value_sum": "the sink counted in the value sum (as a key with the first value)",
     "sink_grad_sign": "sink gradient with the wrong sign",
     "dropout_no_rescale": "dropout without the 1 / (1 - p) rescale",
