@@ -6,7 +6,6 @@ the built-ins, or those named by ``--impl`` / FLASHCHECK_IMPL. A test marked
 implementation that does not declare that capability.
 """
 import os
-import re
 
 import pytest
 from hypothesis import settings
@@ -22,6 +21,7 @@ import strategies.profiles  # noqa: E402,F401  (registers and loads the Hypothes
 import repro  # noqa: E402
 from impls import ContractError, builtins, load, spec_of  # noqa: E402
 from strategies import AttentionCase  # noqa: E402
+from strategies.case import CASE_PATTERN  # noqa: E402
 from strategies import draw as fs_draw  # noqa: E402
 from impls.call import device_for  # noqa: E402
 
@@ -33,6 +33,10 @@ CAPABILITIES = {
     "masked": lambda i: (i.masked_rows and "bottom_right" in i.causal) or "top_left" in i.causal,
     "causal": lambda i: bool(i.causal),
     "float64": lambda i: "float64" in i.dtypes,
+    # the feature matrix (issue 10)
+    **{f: (lambda f: lambda i: getattr(i, f))(f) for f in ("window", "softcap", "alibi", "sinks", "dropout")},
+    "features": lambda i: i.window or i.softcap or i.alibi or i.sinks,
+    "dropout_mask": lambda i: i.dropout_mask is not None,
 }
 
 
@@ -97,7 +101,7 @@ def pytest_runtest_makereport(item, call):
         return
     message = str(call.excinfo.value) if call.excinfo else ""
     # The failing case is the one the assertion names; Hypothesis may have run others since.
-    named = re.search(r"AttentionCase\([^)]*\)", message)
+    named = CASE_PATTERN.search(message)
     last = fs_draw.LAST_FITTED[0]
     case = eval(named.group(0), {"AttentionCase": AttentionCase}) if named else last and last[1]
     if case is None:

@@ -51,7 +51,7 @@ K_MODEL = 0.0  # multiple of the rounding model's own error allowed on top (the 
 Z = 6.0  # standard deviations: a Gaussian passes 6 sigma with probability 2e-9
 ULP_FLOOR = 0.25  # ulps allowed beyond the half ulp of rounding the result
 BIAS_Z, BIAS_ULPS, BIAS_MIN_GROUPS = 5.0, 0.75, 32
-K_NAIVE = {"o": 2, "lse": 2, "dq": 3, "dk": 3, "dv": 3}
+K_NAIVE = {"o": 2, "lse": 2, "dq": 3, "dk": 3, "dv": 3, "dsinks": 3}
 FLOOR_NAIVE = 8
 FTZ = {"float32": 2.0 ** -126, "float64": 2.0 ** -1022}  # below these, GPU float32 flushes to zero
 UNIT = {**{t: e / 2 for t, e in EPS.items()}, "tf32": 2.0 ** -11}
@@ -64,6 +64,7 @@ class Truth:
     dq: np.ndarray
     dk: np.ndarray
     dv: np.ndarray
+    dsinks: np.ndarray | None  # the sink logits' gradient (Hq,); None without sinks
     logit_max: float
 
     def __getitem__(self, name):
@@ -83,6 +84,7 @@ class _Parts:
     o: np.ndarray
     lse: np.ndarray
     scale: float
+    psink: np.ndarray | None  # the sink's share of each row's softmax, where the case has sinks
 
 
 def _group(case, x):
@@ -94,9 +96,9 @@ def _group(case, x):
 def _parts(case: AttentionCase) -> _Parts:
     q, k, v, do = case.inputs()
     kw = case.reference_kwargs()
-    p, lse, (qg, kg, vg, sc, _) = numpy_ref.dense_probs(q, k, v, kw["causal"], kw["scale"], "oracle")
-    s = np.where(case.visible(), sc * (qg @ np.swapaxes(kg, -1, -2)), 0.0)
-    return _Parts(qg, kg, vg, _group(case, do), s, p, p @ vg, lse, sc)
+    p, lse, (qg, kg, vg, sc, _), extra = numpy_ref.dense_probs(q, k, v, who="oracle", **kw)
+    s = np.where(case.visible(), extra["s"], 0.0)  # softcapped, ALiBi-biased logits where visible
+    return _Parts(qg, kg, vg, _group(case, do), s, p, p @ vg, lse, sc, extra["psink"])
 
 
 @functools.lru_cache(maxsize=32)
@@ -105,9 +107,9 @@ def truth(case: AttentionCase) -> Truth:
     q, k, v, do = case.inputs()
     kw = case.reference_kwargs()
     o, lse = numpy_ref.dense_forward(q, k, v, **kw)
-    dq, dk, dv = numpy_ref.dense_backward(q, k, v, o, lse, do, **kw)
+    dq, dk, dv, *dsinks = numpy_ref.dense_backward(q, k, v, o, lse, do, **kw)
     logit_max = float(np.abs(_parts(case).s).max(initial=0))
-    return Truth(o, lse, dq, dk, dv, logit_max)
+    return Truth(o, lse, dq, dk, dv, dsinks[0] if dsinks else None, logit_max)
 
 
 @functools.lru_cache(maxsize=32)
@@ -115,6 +117,35 @@ def model(case: AttentionCase) -> dict:
     """What a correct fused kernel of the case's dtype and precision returns (impls/rounding.py)."""
     q, k, v, do = case.inputs()
     return fused(q, k, v, do, case.visible(), _parts(case).scale, Precision.of(case.dtype, case.precision))
+
+
+def _dense_torch(case: AttentionCase, dtype: str) -> dict:
+    """Plain dense attention and its autograd gradients, computed in ``dtype`` by PyTorch on CPU."""
+    import torch
+
+    dt = getattr(torch, dtype)
+    q, k, v, do = (torch.from_numpy(x).to(dt).requires_grad_() for x in case.inputs())
+    g = case.hq // case.hkv
+    kk, vv = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    s = (q @ kk.transpose(-1, -2)) * case.effective_scale
+    if case.softcap:
+        s = case.softcap * torch.tanh(s / case.softcap)
+    if case.alibi is not None:
+        slopes = torch.from_numpy(case.alibi_slopes()).to(dt)
+        dist = (torch.arange(case.sq)[:, None] + case.sk - case.sq - torch.arange(case.sk)[None, :]).abs().to(dt)
+        s = s - slopes.reshape(-1 if slopes.ndim == 2 else 1, case.hq, 1, 1) * dist
+    s = s.masked_fill(~torch.from_numpy(case.visible()), float("-inf"))
+    sink = None
+    if case.sinks is not None:  # the sink: one more logit per head in every row, with no value
+        sink = torch.from_numpy(case.sink_logits()).to(dt).requires_grad_()
+        s = torch.cat([s, sink.reshape(1, -1, 1, 1).expand(*s.shape[:3], 1)], dim=-1)
+    p = torch.softmax(s, dim=-1)
+    p = torch.nan_to_num(p, nan=0.0)  # rows that see no key: softmax of all -inf
+    o = p[..., :case.sk] @ vv
+    lse = torch.logsumexp(s, dim=-1)
+    o.backward(do.detach())
+    grads = (("dq", q.grad), ("dk", k.grad), ("dv", v.grad)) + ((("dsinks", sink.grad),) if sink is not None else ())
+    return {n: t.detach().to(torch.float64).numpy() for n, t in (("o", o), ("lse", lse)) + grads}
 
 
 def result_dtype(dtype: str, name: str) -> str:
@@ -231,28 +262,14 @@ def _naive_allowed(case: AttentionCase) -> dict:
     mag = {"o": (p @ np.abs(pt.v)).max(initial=0), "lse": np.abs(t.lse[np.isfinite(t.lse)]).max(initial=0) + 1,
            "dv": (_swap(p) @ ado).sum(2).max(initial=0), "dq": sc * (abs_ds @ np.abs(pt.k)).max(initial=0),
            "dk": sc * (_swap(abs_ds) @ np.abs(pt.q)).sum(2).max(initial=0)}
+    if pt.psink is not None:  # dsinks_h = -sum over batch and rows of P_sink * rowsum(dO * O)
+        mag["dsinks"] = (pt.psink * (ado * np.abs(pt.o)).sum(-1)).sum(axis=(0, 3)).max(initial=0)
     acc = EPS["float64" if case.dtype == "float64" else "float32"]
     out = {}
-    for n in RESULTS:
+    for n in mag:
         dense_err = 0.0 if case.dtype == "float64" else max_error(plain[n], t[n], result_dtype(case.dtype, n))
         out[n] = K_NAIVE[n] * dense_err + FLOOR_NAIVE * (acc * (1 + t.logit_max) + EPS[case.dtype]) * mag[n]
     return out
-
-
-def _dense_torch(case: AttentionCase, dtype: str) -> dict:
-    """Plain dense attention and its autograd gradients, computed in ``dtype`` by PyTorch on CPU."""
-    import torch
-
-    dt = getattr(torch, dtype)
-    q, k, v, do = (torch.from_numpy(x).to(dt).requires_grad_() for x in case.inputs())
-    g = case.hq // case.hkv
-    kk, vv = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
-    s = ((q @ kk.transpose(-1, -2)) * case.effective_scale).masked_fill(~torch.from_numpy(case.visible()), -np.inf)
-    p = torch.nan_to_num(torch.softmax(s, dim=-1), nan=0.0)  # rows that see no key: softmax of all -inf
-    o = p @ vv
-    o.backward(do.detach())
-    return {n: x.detach().to(torch.float64).numpy() for n, x in
-            (("o", o), ("lse", torch.logsumexp(s, dim=-1)), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad))}
 
 
 def allowed(case: AttentionCase, name: str) -> tuple[np.ndarray, float]:
@@ -260,8 +277,11 @@ def allowed(case: AttentionCase, name: str) -> tuple[np.ndarray, float]:
     t = truth(case)
     out_t = result_dtype(case.dtype, name)
     floor = half_spacing(t[name], out_t) * (1 + 2 * ULP_FLOOR)  # half an ulp to round, plus the floor
-    if case.precision == "naive":
+    if case.precision == "naive" or name not in RESULTS:  # the sinks' gradient: the naive rule
         return _naive_allowed(case)[name] + floor, 0.0
+    if case.features:  # the rounding model emulates plain attention: its bounds stand alone
+        # dropout scales the kept probabilities, and their rounding, by 1 / (1 - p)
+        return _rounding_bounds(case)[name] / (1 - case.dropout_p) + floor, 0.0
     model_err = np.nan_to_num(np.abs(model(case)[name] - t[name]), nan=0.0, posinf=0.0)
     return _rounding_bounds(case)[name] + K_MODEL * model_err + floor, float(model_err.max(initial=0.0))
 
@@ -336,7 +356,7 @@ def bias(case: AttentionCase, name: str, got: np.ndarray, want: np.ndarray):
 
 
 def check_bias(case, name, got, want, label=""):
-    if case.dtype not in HALF or name == "lse" or case.precision == "naive":
+    if case.dtype not in HALF or name not in ("o", "dq", "dk", "dv") or case.precision == "naive" or case.features:
         return
     seen = bias(case, name, got, want)
     if seen is None:

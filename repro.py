@@ -73,7 +73,7 @@ def main(argv=None) -> int:
     case = case if case.dtype in impl.dtypes else case.replace(dtype=impl.dtypes[0])
     res = call.run(impl, case, *inputs[:3], inputs[3] if impl.has_backward else None)
     failed = 0
-    for name in ("o", "lse", "dq", "dk", "dv"):
+    for name in ("o", "lse", "dq", "dk", "dv", "dsinks"):
         got = getattr(res, name)
         if got is None:
             continue

@@ -61,6 +61,15 @@ class Implementation:
     tags: tuple[str, ...] = field(default=())  # extra pytest markers, e.g. "interpreter"
     known_issues: tuple[KnownIssue, ...] = ()
     precision: str = "fused"  # the rounding model the oracle holds it to (impls/rounding.py)
+    # The feature matrix (README, "Features"): each declared feature adds its keyword
+    # arguments to every call (window=, softcap=, alibi_slopes=, sinks=, dropout_p= and
+    # dropout_seed=); undeclared ones are never drawn for this implementation.
+    window: bool = False
+    softcap: bool = False
+    alibi: bool = False
+    sinks: bool = False
+    dropout: bool = False
+    dropout_mask: Callable | None = None  # (q, k, v, p, seed) -> bool (B, Hq, Sq, Sk), True = kept
 
     def __repr__(self):
         return f"<implementation {self.name}>"
@@ -90,7 +99,9 @@ def _as_tuple(value, what: str, allowed: tuple[str, ...], name: str) -> tuple[st
 def implementation(*, name: str, causal="bottom_right", dtypes=("float32",), devices=("cpu",),
                    backward=False, gqa=True, lse=False, framework="torch", blocks=None,
                    head_dims=(1, 256), equal_head_dims=False, seq_multiple=1, max_seq=None, equal_lengths=False,
-                   masked_rows=True, tags=(), known_issues=(), precision="fused", register=True):
+                   masked_rows=True, tags=(), known_issues=(), precision="fused", register=True,
+                   # the feature matrix (issue 10): see Implementation
+                   window=False, softcap=False, alibi=False, sinks=False, dropout=False, dropout_mask=None):
     """Declare an attention function to the suite. See README, "Testing your own kernel"."""
     if not isinstance(name, str) or not name:
         raise ContractError(f"implementation name must be a non-empty string, got {name!r}")
@@ -120,6 +131,13 @@ def implementation(*, name: str, causal="bottom_right", dtypes=("float32",), dev
 
     if precision not in PRECISIONS:
         raise ContractError(f"implementation {name!r}: precision must be one of {PRECISIONS}, got {precision!r}")
+    features = dict(window=window, softcap=softcap, alibi=alibi, sinks=sinks, dropout=dropout)
+    for feature, flag in features.items():
+        if not isinstance(flag, bool):
+            raise ContractError(f"implementation {name!r}: {feature} must be True or False, got {flag!r}")
+    if dropout_mask is not None and not (dropout and callable(dropout_mask)):
+        raise ContractError(f"implementation {name!r}: dropout_mask must be a callable (q, k, v, p, seed) -> "
+                            "bool mask, declared together with dropout=True")
 
     def decorate(fn: Callable) -> Callable:
         if not callable(fn):
@@ -129,7 +147,8 @@ def implementation(*, name: str, causal="bottom_right", dtypes=("float32",), dev
                                 head_dims=(lo, hi), equal_head_dims=equal_head_dims,
                                 seq_multiple=seq_multiple, max_seq=max_seq,
                                 equal_lengths=equal_lengths, masked_rows=masked_rows, tags=tuple(tags),
-                                known_issues=tuple(known_issues), precision=precision)
+                                known_issues=tuple(known_issues), precision=precision, dropout_mask=dropout_mask,
+                                **features)
         fn.__flashcheck__ = record
         if register:
             REGISTRY[name] = record

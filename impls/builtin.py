@@ -11,6 +11,7 @@ for module, names in (
     ("impls.torch_tiled", ["torch-tiled"]),
     ("impls.triton_fused", ["triton-fused"]),
     ("impls.sdpa", ["sdpa-math", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn"]),
+    ("impls.flex", ["flex"]),
 ):
     try:
         importlib.import_module(module)

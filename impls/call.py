@@ -15,6 +15,7 @@ class Result:
     dq: np.ndarray | None = None
     dk: np.ndarray | None = None
     dv: np.ndarray | None = None
+    dsinks: np.ndarray | None = None  # the sink logits' gradient, where sinks were passed
     dtype: str = ""  # the dtype the implementation returned O in
     lse_dtype: str = ""
     inputs_after: tuple = ()  # q, k, v as the implementation left them
@@ -35,10 +36,23 @@ def device_for(impl: Implementation) -> str | None:
     return "cpu" if "cpu" in impl.devices else None
 
 
-def kwargs_for(impl: Implementation, case) -> dict:
+def kwargs_for(impl: Implementation, case, tensor=np.asarray) -> dict:
+    """The keyword arguments of one call; ``tensor`` turns the float32 feature arrays into the
+    implementation's framework. A declared feature is always passed, with its "off" value
+    when the case leaves it off, as flash_attn_func's defaults are."""
     kw = {"causal": impl.causal_arg(case.causal), "scale": case.scale}
     if impl.blocks is not None:
         kw.update(block_q=case.block_q, block_k=case.block_k)
+    if impl.window:
+        kw["window"] = (-1, -1) if case.window is None else tuple(case.window)
+    if impl.softcap:
+        kw["softcap"] = float(case.softcap)
+    if impl.alibi:
+        kw["alibi_slopes"] = None if case.alibi is None else tensor(case.alibi_slopes())
+    if impl.sinks:
+        kw["sinks"] = None if case.sinks is None else tensor(case.sink_logits())
+    if impl.dropout:
+        kw.update(dropout_p=float(case.dropout_p), dropout_seed=int(case.dropout_seed))
     return kw
 
 
@@ -53,15 +67,19 @@ def _split(impl, out, name):
 def run(impl: Implementation, case, q, k, v, do=None, *, device=None) -> Result:
     """Run forward (and backward through dO when given) on float64 arrays holding case.dtype values."""
     device = device or device_for(impl)
-    kw = kwargs_for(impl, case)
     if impl.framework == "numpy":
+        kw = kwargs_for(impl, case)
         qn, kn, vn = (x.astype(case.dtype) for x in (q, k, v))
         o, lse = _split(impl, impl.fn(qn, kn, vn, **kw), impl.name)
         res = Result(np.asarray(o, np.float64), None if lse is None else np.asarray(lse, np.float64),
                      dtype=str(np.asarray(o).dtype), lse_dtype="" if lse is None else str(np.asarray(lse).dtype))
         if do is not None:
             grads = impl.backward(qn, kn, vn, o, lse, do.astype(case.dtype), **kw)
-            res.dq, res.dk, res.dv = (np.asarray(g, np.float64) for g in grads)
+            if kw.get("sinks") is not None:  # a backward given sinks returns their gradient too
+                if len(grads) != 4:
+                    raise AssertionError(f"{impl.name}: given sinks, the backward must return (dq, dk, dv, dsinks)")
+                res.dsinks = np.asarray(grads[3], np.float64)
+            res.dq, res.dk, res.dv = (np.asarray(g, np.float64) for g in grads[:3])
         res.inputs_after = tuple(np.asarray(x, np.float64) for x in (qn, kn, vn))
         return res
 
@@ -70,12 +88,18 @@ def run(impl: Implementation, case, q, k, v, do=None, *, device=None) -> Result:
     dt = getattr(torch, case.dtype)
     qt, kt, vt = (torch.from_numpy(x).to(device=device, dtype=dt).requires_grad_(do is not None)
                   for x in (q, k, v))
+    kw = kwargs_for(impl, case, tensor=lambda a: torch.from_numpy(a).to(device))
+    sinks = kw.get("sinks")
+    if sinks is not None:
+        sinks.requires_grad_(do is not None)
     o, lse = _split(impl, impl.fn(qt, kt, vt, **kw), impl.name)
     res = Result(_np(o), None if lse is None else _np(lse), dtype=str(o.dtype).removeprefix("torch."),
                  lse_dtype="" if lse is None else str(lse.dtype).removeprefix("torch."))
     if do is not None:
         o.backward(torch.from_numpy(do).to(device=device, dtype=o.dtype))
         res.dq, res.dk, res.dv = (_np(x.grad) if x.grad is not None else np.zeros(x.shape) for x in (qt, kt, vt))
+        if sinks is not None:
+            res.dsinks = _np(sinks.grad) if sinks.grad is not None else np.zeros(sinks.shape)
     res.inputs_after = tuple(_np(x) for x in (qt, kt, vt))
     return res
 

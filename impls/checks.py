@@ -54,3 +54,29 @@ def alignment(causal) -> str | None:
 def offset(sq: int, sk: int, align: str | None) -> int:
     """Query i sees key j iff j <= i + offset (DESIGN.md); None means every key is visible."""
     return sk - sq if align == "bottom_right" else 0
+
+
+def check_features(q, *, who: str, window=None, softcap=0.0, alibi_slopes=None, sinks=None, dropout_p=0.0):
+    """Validate the feature arguments (README, "Features") against q (B, Hq, Sq, D); a numpy array or a
+    torch tensor alike. Returns the window as a tuple, or None when it is off."""
+    b, hq = q.shape[0], q.shape[1]
+    if window is not None:
+        ok = len(window) == 2 and all(isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window)
+        if not ok:
+            raise ValueError(f"{who}: window must be (left, right), ints >= -1 (-1 = unbounded), got {window!r}")
+        window = None if tuple(window) == (-1, -1) else tuple(window)
+    if not (isinstance(softcap, (int, float)) and softcap >= 0):
+        raise ValueError(f"{who}: softcap must be a float >= 0 (0 = off), got {softcap!r}")
+    for label, x, shapes in (("alibi_slopes", alibi_slopes, ((hq,), (b, hq))), ("sinks", sinks, ((hq,),))):
+        if x is None:
+            continue
+        if tuple(getattr(x, "shape", ())) not in shapes:
+            raise ValueError(f"{who}: {label} must have shape {' or '.join(map(str, shapes))}, "
+                             f"got {tuple(getattr(x, 'shape', ())) or type(x).__name__}")
+        if dtype_name(x) != "float32":
+            raise TypeError(f"{who}: {label} must be float32, got {dtype_name(x)}")
+        if getattr(x, "device", None) != getattr(q, "device", None):
+            raise ValueError(f"{who}: {label} is on {x.device}, q on {q.device}")
+    if not (isinstance(dropout_p, (int, float)) and 0 <= dropout_p < 1):
+        raise ValueError(f"{who}: dropout_p must be in [0, 1), got {dropout_p!r}")
+    return window

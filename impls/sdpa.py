@@ -25,6 +25,11 @@ off; duplicating a single key/value leaves softmax attention unchanged; a top-le
 with Sq != Sk is split into square causal and non-causal calls. Each adaptation is applied only
 to the backends that need it; autograd carries the gradients back through them.
 
+Features: the sliding window and ALiBi are an additive float attn_mask (-inf where the window or
+the causal mask hides a key, -slope * |i + Sk - Sq - j| elsewhere), declared by the backends that
+take one unadapted: math (CPU, CUDA) and the CPU flash kernel. A softcap, sinks and dropout with a
+known seed are not expressible through SDPA's arguments, so no backend declares them.
+
 A failure the suite found and that is reported upstream is declared as a KnownIssue: the
 strategies steer around it and properties/test_known_issues.py checks it still reproduces.
 """
@@ -37,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from impls import KnownIssue, implementation
-from impls.checks import alignment, check_inputs
+from impls.checks import alignment, check_features, check_inputs
 
 try:
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -68,14 +73,41 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def _sdpa(q, k, v, backend, causal: bool, scale):
+def _sdpa(q, k, v, backend, causal: bool, scale, attn_mask=None):
     kw = {"enable_gqa": True} if HAS_GQA and q.shape[1] != k.shape[1] else {}
     with sdpa_kernel(backend):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, **kw)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, attn_mask=attn_mask, **kw)
 
 
-def call_sdpa(q, k, v, *, backend, causal: bool, scale, head_dim_multiple=1, min_keys=1, square_causal=False):
+def feature_mask(q, k, causal: bool, window, alibi_slopes):
+    """The window and the ALiBi bias as SDPA's additive float attn_mask (B or 1, Hq, Sq, Sk), with the
+    top-left causal mask folded in (SDPA refuses attn_mask together with is_causal); None when unneeded."""
+    window = (-1, -1) if window is None else tuple(window)
+    if window == (-1, -1) and alibi_slopes is None:
+        return None
+    sq, sk = q.shape[2], k.shape[2]
+    cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    rows = torch.arange(sq, device=q.device)[:, None]
+    cols = torch.arange(sk, device=q.device)[None, :]
+    dist = cols - (rows + sk - sq)  # key position against the query's (bottom-right) diagonal
+    hidden = (cols > rows) if causal else torch.zeros_like(dist, dtype=torch.bool)
+    left, right = window
+    if left >= 0:
+        hidden |= dist < -left
+    if right >= 0:
+        hidden |= dist > right
+    bias = torch.zeros(1, 1, sq, sk, dtype=cdt, device=q.device)
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.to(cdt).expand(q.shape[0], q.shape[1])[:, :, None, None]
+        bias = bias - slopes * dist.abs().to(cdt)
+    return bias.masked_fill(hidden, float("-inf")).to(q.dtype)
+
+
+def call_sdpa(q, k, v, *, backend, causal: bool, scale, head_dim_multiple=1, min_keys=1, square_causal=False,
+              attn_mask=None):
     """SDPA on one backend, adapting (exactly) the inputs to the backend's shape limits."""
+    if attn_mask is not None:  # the feature mask already holds the causal mask
+        return _sdpa(q, k, v, backend, False, scale, attn_mask)
     d, dv, sq, sk = q.shape[-1], v.shape[-1], q.shape[2], k.shape[2]
     dp, dvp = _round_up(d, head_dim_multiple), _round_up(dv, head_dim_multiple)
     if (dp, dvp) != (d, dv):
@@ -103,10 +135,13 @@ def call_sdpa(q, k, v, *, backend, causal: bool, scale, head_dim_multiple=1, min
 
 
 def _register(name, backend, *, devices, dtypes, gqa=HAS_GQA, head_dims=(1, 256), equal_head_dims=False,
-              known_issues=(), precision="fused", **adapt):
+              known_issues=(), precision="fused", masks=False, **adapt):
+    """``masks=True``: the backend takes an attn_mask with no shape adaptation, so it declares the
+    window. (ALiBi through attn_mask is not declared: SDPA wants the mask in the input type, which
+    rounds an fp16/bf16 bias to 2-3 digits, 2x past a fused kernel's error on the H200-free CPU run.)"""
     who = name
 
-    def attention(q, k, v, *, causal=False, scale=None):
+    def attention(q, k, v, *, causal=False, scale=None, window=None, alibi_slopes=None):
         for label, x in (("q", q), ("k", k), ("v", v)):
             if not isinstance(x, torch.Tensor):
                 raise TypeError(f"{who}: {label} must be a torch.Tensor, got {type(x).__name__}")
@@ -126,14 +161,17 @@ def _register(name, backend, *, devices, dtypes, gqa=HAS_GQA, head_dims=(1, 256)
         if causal not in (False, None, True, "top_left"):
             alignment(causal)  # names a malformed value
             raise ValueError(f"{who}: SDPA's is_causal is top-left aligned; {causal!r} is not supported")
-        return call_sdpa(q, k, v, backend=backend, causal=causal in (True, "top_left"),
-                         scale=None if scale is None else float(scale), **adapt)
+        causal = causal in (True, "top_left")
+        window = check_features(q, who=who, window=window, alibi_slopes=alibi_slopes)
+        mask = feature_mask(q, k, causal, window, alibi_slopes)
+        return call_sdpa(q, k, v, backend=backend, causal=causal, scale=None if scale is None else float(scale),
+                         attn_mask=mask, **adapt)
 
     attention.__name__ = attention.__qualname__ = name.replace("-", "_")
     attention.__doc__ = f"torch SDPA pinned to SDPBackend.{backend.name} (see impls/sdpa.py)."
     implementation(name=name, causal=("top_left",), dtypes=dtypes, devices=devices, backward=True,
                    gqa=gqa, lse=False, framework="torch", head_dims=head_dims, equal_head_dims=equal_head_dims,
-                   known_issues=known_issues, precision=precision)(attention)
+                   known_issues=known_issues, precision=precision, window=masks)(attention)
     return attention
 
 
@@ -158,7 +196,7 @@ _CUDA = torch.cuda.is_available()
 # On CUDA the math backend rounds S = q k^T to fp16/bf16 before the softmax: plain dense
 # attention in the input type, held to the naive rule. On the CPU it computes in float32.
 math_attention = _register("sdpa-math", SDPBackend.MATH, devices=("cpu", "cuda") if _CUDA else ("cpu",),
-                           dtypes=ALL_DTYPES, precision="naive" if _CUDA else "fused")
+                           dtypes=ALL_DTYPES, precision="naive" if _CUDA else "fused", masks=True)
 
 if _CUDA:
     # The suite runs a declared CUDA implementation on CUDA when it is present, so each fused backend
@@ -176,7 +214,7 @@ if _CUDA:
         efficient_attention = _register("sdpa-efficient", SDPBackend.EFFICIENT_ATTENTION, devices=("cuda",),
                                         dtypes=("float32", "float16", "bfloat16"), head_dim_multiple=8,
                                         precision="naive",
-                                        **_cuda(SDPBackend.EFFICIENT_ATTENTION))
+                                        **_cuda(SDPBackend.EFFICIENT_ATTENTION))  # pads D: no attn_mask path
     if runs(SDPBackend.CUDNN_ATTENTION, "cuda", torch.float16):
         cudnn_attention = _register("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION, devices=("cuda",),
                                     dtypes=("float16", "bfloat16"), head_dims=(1, 128), head_dim_multiple=8,
@@ -189,4 +227,4 @@ elif runs(SDPBackend.FLASH_ATTENTION):
     flash_attention = _register("sdpa-flash", SDPBackend.FLASH_ATTENTION, devices=("cpu",), dtypes=ALL_DTYPES,
                                 equal_head_dims=True, known_issues=[CPU_FLASH_CAUSAL_NONPOSITIVE_SCALE],
                                 precision="naive",
-                                gqa=runs(SDPBackend.FLASH_ATTENTION, gqa=True))
+                                gqa=runs(SDPBackend.FLASH_ATTENTION, gqa=True), masks=True)

@@ -22,8 +22,8 @@ import math
 import torch
 from torch.autograd.function import once_differentiable
 
-from impls import implementation
-from impls.checks import alignment, check_blocks, check_inputs, offset
+from impls import counter_rng, implementation
+from impls.checks import alignment, check_blocks, check_features, check_inputs, offset
 
 WHO = "torch-tiled"
 DTYPES = ("float64", "float32", "float16", "bfloat16")
@@ -48,38 +48,91 @@ def _ungrouped(x: torch.Tensor, b: int, hkv: int) -> torch.Tensor:
     return x.reshape(b, hkv, s, g, *e).transpose(2, 3).reshape(b, hkv * g, s, *e)
 
 
-def _hide(s: torch.Tensor, q0: int, q1: int, k0: int, k1: int, off: int, g: int):
-    """Set to -inf, in place, the scores of tile (rows q0:q1, keys k0:k1) whose key is in a row's future."""
-    rows = torch.arange(q0, q1, device=s.device)
-    cols = torch.arange(k0, k1, device=s.device)
-    hidden = cols[None, :] > rows[:, None] + off  # per element, not per tile
-    s.view(s.shape[0], q1 - q0, g, k1 - k0).masked_fill_(hidden[:, None, :], NEG_INF)
+class _Features:
+    """Everything besides q, k, v that shapes one tile's scores: the causal mask, the window, the
+    softcap, the ALiBi bias, the sinks and the dropout mask (README, "Features")."""
+
+    def __init__(self, *, sq, sk, g, align, scale, window, softcap, slopes, sinks, dropout_p, seed):
+        self.sq, self.sk, self.g, self.align, self.scale = sq, sk, g, align, scale
+        self.off = offset(sq, sk, align)
+        left, right = window if window is not None else (-1, -1)
+        self.left, self.right = left, right
+        self.softcap, self.slopes, self.sinks = softcap, slopes, sinks  # slopes, sinks: (B*Hkv, G) or None
+        self.dropout_p, self.seed = dropout_p, seed
+
+    def key_range(self, q0, q1):
+        """[first, last) keys any row of q0:q1 may see: tiles outside are skipped."""
+        diag = self.sk - self.sq
+        start = 0 if self.left < 0 else max(0, q0 + diag - self.left)
+        end = self.sk
+        if self.align is not None:
+            end = min(end, q1 + self.off)
+        if self.right >= 0:
+            end = min(end, q1 + diag + self.right)
+        return start, end
+
+    def query_range(self, k0, k1):
+        """[first, last) query rows that may see a key of k0:k1."""
+        diag = self.sk - self.sq
+        start = 0 if self.align is None else max(0, k0 - self.off)
+        if self.right >= 0:
+            start = max(start, k0 - diag - self.right)
+        end = self.sq if self.left < 0 else min(self.sq, k1 - diag + self.left)
+        return start, end
+
+    def scores(self, qt, kt, q0, q1, k0, k1):
+        """The tile's logits (B*Hkv, (q1 - q0) * G, k1 - k0) and tanh(s / c) for the softcap's gradient."""
+        s = torch.bmm(qt, kt.transpose(1, 2)).mul_(self.scale)
+        t = None
+        if self.softcap:
+            t = s.div_(self.softcap).tanh_()
+            s = t * self.softcap
+        tile = s.view(s.shape[0], q1 - q0, self.g, k1 - k0)
+        rows = torch.arange(q0, q1, device=s.device)[:, None]
+        cols = torch.arange(k0, k1, device=s.device)[None, :]
+        dist = cols - (rows + self.sk - self.sq)  # key position against the query's diagonal
+        if self.slopes is not None:
+            tile.sub_(self.slopes[:, None, :, None] * dist.abs()[None, :, None, :].to(s.dtype))
+        hidden = torch.zeros_like(dist, dtype=torch.bool)
+        if self.align is not None:
+            hidden |= cols > rows + self.off  # per element, not per tile
+        if self.left >= 0:
+            hidden |= dist < -self.left
+        if self.right >= 0:
+            hidden |= dist > self.right
+        tile.masked_fill_(hidden[None, :, None, :], NEG_INF)
+        return s, t
+
+    def keep_weights(self, q0, q1, k0, k1, like):
+        """keep / (1 - p) for the tile, or None without dropout; the counter of score (b, h, i, j) is
+        ((b * Hq + h) * Sq + i) * Sk + j, and b * Hq + h = bh * G + gi in the grouped layout."""
+        if not self.dropout_p:
+            return None
+        bh = torch.arange(like.shape[0], device=like.device)[:, None, None, None]
+        gi = torch.arange(self.g, device=like.device)[None, None, :, None]
+        i = torch.arange(q0, q1, device=like.device)[None, :, None, None]
+        j = torch.arange(k0, k1, device=like.device)[None, None, None, :]
+        counter = ((bh * self.g + gi) * self.sq + i) * self.sk + j
+        kept = counter_rng.keep(self.seed, self.dropout_p, counter)
+        return (kept.to(like.dtype) / (1.0 - self.dropout_p)).view(like.shape)
 
 
-def _forward(qg, kg, vg, *, align, scale, block_q, block_k):
+def _forward(qg, kg, vg, ft: _Features, *, block_q, block_k):
     """Online softmax over key tiles for each query tile. Returns O (B*Hkv, Sq, G, Dv) and LSE (B*Hkv, Sq, G)."""
     bh, sq, g, d = qg.shape
     sk, dv = kg.shape[1], vg.shape[2]
-    off = offset(sq, sk, align)
-    # Rows whose every key tile is skipped keep these: O = 0, LSE = -inf (DESIGN.md).
     o = torch.zeros(bh, sq, g, dv, dtype=qg.dtype, device=qg.device)
     lse = torch.full((bh, sq, g), NEG_INF, dtype=qg.dtype, device=qg.device)
     for q0 in range(0, sq, block_q):
         q1 = min(q0 + block_q, sq)
-        # The last key any row of this tile sees is (q1 - 1) + off; key tiles past it are skipped.
-        k_end = sk if align is None else min(sk, q1 + off)
-        if k_end <= 0:
-            continue
         qt = qg[:, q0:q1].reshape(bh, -1, d)
         m = torch.full(qt.shape[:2], NEG_INF, dtype=qg.dtype, device=qg.device)
         l = torch.zeros_like(m)
         acc = torch.zeros(bh, qt.shape[1], dv, dtype=qg.dtype, device=qg.device)
-        for k0 in range(0, k_end, block_k):
+        k_start, k_end = ft.key_range(q0, q1)
+        for k0 in range(k_start, k_end, block_k):
             k1 = min(k0 + block_k, sk)
-            # s = scale * q k^T for this tile only.
-            s = torch.bmm(qt, kg[:, k0:k1].transpose(1, 2)).mul_(scale)
-            if align is not None and k1 - 1 > q0 + off:
-                _hide(s, q0, q1, k0, k1, off, g)  # the tile straddles the diagonal
+            s, _ = ft.scores(qt, kg[:, k0:k1], q0, q1, k0, k1)
             # New running max; the old sums must be rescaled to it.
             m_new = torch.maximum(m, s.amax(dim=-1))
             # A row that has seen no key yet has m_new = -inf: shift it by 0 so exp gives 0, not NaN.
@@ -87,73 +140,97 @@ def _forward(qg, kg, vg, *, align, scale, block_q, block_k):
             p = s.sub_(shift.unsqueeze(-1)).exp_()
             # exp(m_old - m_new) rescales what the earlier tiles summed.
             alpha = (m - shift).exp_()
-            l.mul_(alpha).add_(p.sum(dim=-1))
-            acc.mul_(alpha.unsqueeze(-1)).baddbmm_(p, vg[:, k0:k1])
+            l.mul_(alpha).add_(p.sum(dim=-1))  # the softmax sums every probability, dropped or not
+            w = ft.keep_weights(q0, q1, k0, k1, p)
+            acc.mul_(alpha.unsqueeze(-1)).baddbmm_(p if w is None else p * w, vg[:, k0:k1])
             m = m_new
-        # Normalize once at the end; l == 0 only for a row that saw no key (O = 0 there).
+        if ft.sinks is not None:
+            # The sink joins the denominator as one more logit with no value.
+            sink = ft.sinks[:, None, :].expand(bh, q1 - q0, g).reshape(bh, -1)
+            m_new = torch.maximum(m, sink)
+            shift = m_new.masked_fill(m_new == NEG_INF, 0.0)
+            alpha = (m - shift).exp_()
+            l = l * alpha + (sink - shift).exp()
+            acc.mul_(alpha.unsqueeze(-1))
+            m = m_new
+        # Normalize once at the end; l == 0 only for a row that saw no key and no sink (O = 0 there).
         o[:, q0:q1] = (acc / l.masked_fill(l == 0, 1.0).unsqueeze(-1)).view(bh, q1 - q0, g, dv)
-        # m + log l: natural-log LSE; -inf + log 0 = -inf for a row that saw no key.
+        # m + log l: natural-log LSE; -inf + log 0 = -inf for a row that saw nothing.
         lse[:, q0:q1] = (m + l.log()).view(bh, q1 - q0, g)
     return o, lse
 
 
-def _backward(qg, kg, vg, og, lse, dog, *, align, scale, block_q, block_k):
+def _backward(qg, kg, vg, og, lse, dog, ft: _Features, *, block_q, block_k):
     """FlashAttention-2 backward: outer loop over key tiles (dK, dV stay local), inner over query tiles."""
     bh, sq, g, d = qg.shape
     sk, dv = kg.shape[1], vg.shape[2]
-    off = offset(sq, sk, align)
     # delta_i = rowsum(dO * O) = sum_j P_ij dP_ij: the softmax Jacobian's row term, without P.
     delta = (dog * og).sum(dim=-1)
-    # A row that saw no key has LSE = -inf: make it +inf so P = exp(s - inf) = 0 there, not NaN.
+    # A row that saw nothing has LSE = -inf: make it +inf so P = exp(s - inf) = 0 there, not NaN.
     lse = lse.masked_fill(lse == NEG_INF, float("inf"))
     dq = torch.zeros_like(qg)
     dk = torch.zeros_like(kg)
     dvv = torch.zeros_like(vg)
     for k0 in range(0, sk, block_k):
         k1 = min(k0 + block_k, sk)
-        # The first row that sees key k0 is k0 - off: query tiles above it are skipped.
-        q_start = 0 if align is None else max(0, k0 - off)
-        if q_start >= sq:
-            break  # no row sees these keys, nor any later ones: dK = dV = 0
+        q_start, q_end = ft.query_range(k0, k1)
+        if q_start >= q_end:
+            continue  # no row sees these keys: dK = dV = 0
         kt, vt = kg[:, k0:k1], vg[:, k0:k1]
         dk_acc = torch.zeros_like(kt)
         dv_acc = torch.zeros_like(vt)
-        for q0 in range(q_start, sq, block_q):
+        for q0 in range(q_start, q_end, block_q):
             q1 = min(q0 + block_q, sq)
             qt = qg[:, q0:q1].reshape(bh, -1, d)
             dot = dog[:, q0:q1].reshape(bh, -1, dv)
-            s = torch.bmm(qt, kt.transpose(1, 2)).mul_(scale)
-            if align is not None and k1 - 1 > q0 + off:
-                _hide(s, q0, q1, k0, k1, off, g)  # the same per-element mask as the forward
+            s, t = ft.scores(qt, kt, q0, q1, k0, k1)  # the same logits and mask as the forward
             # P recomputed from the saved LSE: exactly the forward's normalized probabilities.
             p = s.sub_(lse[:, q0:q1].reshape(bh, -1, 1)).exp_()
-            # dV_j += P^T dO (the rows of all G heads of a group sum into their shared kv head).
-            dv_acc.baddbmm_(p.transpose(1, 2), dot)
+            w = ft.keep_weights(q0, q1, k0, k1, p)  # the forward's dropout mask, drawn again
+            # dV_j += (P * keep / (1 - p))^T dO (the rows of all G heads of a group sum into their kv head).
+            dv_acc.baddbmm_((p if w is None else p * w).transpose(1, 2), dot)
             dp = torch.bmm(dot, vt.transpose(1, 2))
+            if w is not None:
+                dp.mul_(w)
             # dS = P * (dP - delta), in place over P (P is no longer needed).
             ds = p.mul_(dp.sub_(delta[:, q0:q1].reshape(bh, -1, 1)))
+            if t is not None:
+                ds.mul_(1 - t * t)  # through the softcap: d/dx c tanh(x / c) = 1 - tanh^2
             # dQ_i += dS K_j and dK_j += dS^T Q_i; the scale is applied once at the end.
             dq[:, q0:q1] += torch.bmm(ds, kt).view(bh, q1 - q0, g, d)
             dk_acc.baddbmm_(ds.transpose(1, 2), qt)
         dk[:, k0:k1] = dk_acc
         dvv[:, k0:k1] = dv_acc
-    return dq.mul_(scale), dk.mul_(scale), dvv
+    dsinks = None
+    if ft.sinks is not None:
+        # The sink's share of row i is exp(sink - LSE_i); d sum(O dO) / d sink = -share * delta.
+        dsinks = -((ft.sinks[:, None, :] - lse).exp() * delta).sum(dim=1)
+    return dq.mul_(ft.scale), dk.mul_(ft.scale), dvv, dsinks
+
+
+def _per_group(x, b, hkv, dtype):
+    """(Hq,) or (B, Hq) per-head values -> (B*Hkv, G) in the grouped layout."""
+    if x is None:
+        return None
+    return x.to(dtype).expand(b, -1).reshape(b * hkv, -1)
 
 
 class TiledAttention(torch.autograd.Function):
     """O, LSE = attention(q, k, v); backward recomputes P tile by tile from the saved LSE."""
 
     @staticmethod
-    def forward(ctx, q, k, v, align, scale, block_q, block_k):
+    def forward(ctx, q, k, v, sinks, slopes, cfg):
         b, hkv = q.shape[0], k.shape[1]
         cdt = _compute_dtype(q.dtype)
         qg = _grouped(q.to(cdt), hkv)
         kg = k.to(cdt).reshape(b * hkv, *k.shape[2:])
         vg = v.to(cdt).reshape(b * hkv, *v.shape[2:])
-        og, lse = _forward(qg, kg, vg, align=align, scale=scale, block_q=block_q, block_k=block_k)
+        ft = _Features(sq=q.shape[2], sk=k.shape[2], g=q.shape[1] // hkv, slopes=_per_group(slopes, b, hkv, cdt),
+                       sinks=_per_group(sinks, b, hkv, cdt), **cfg["features"])
+        og, lse = _forward(qg, kg, vg, ft, **cfg["blocks"])
         # The high-precision O and LSE are what the backward needs (delta and P); both are O(S).
         ctx.save_for_backward(q, k, v, og, lse)
-        ctx.cfg = dict(align=align, scale=scale, block_q=block_q, block_k=block_k)
+        ctx.ft, ctx.cfg, ctx.sinks_meta = ft, cfg, None if sinks is None else (sinks.shape, sinks.dtype)
         o = _ungrouped(og, b, hkv).to(q.dtype)
         # LSE stays in the compute dtype (float32 for fp16/bf16, as FlashAttention returns it):
         # it overflows float16 long before the logits do, and needs more than 11 bits anyway.
@@ -171,9 +248,12 @@ class TiledAttention(torch.autograd.Function):
         kg = k.to(cdt).reshape(b * hkv, *k.shape[2:])
         vg = v.to(cdt).reshape(b * hkv, *v.shape[2:])
         dog = _grouped(do.to(cdt), hkv)
-        dq, dk, dv = _backward(qg, kg, vg, og, lse, dog, **ctx.cfg)
+        dq, dk, dv, dsinks = _backward(qg, kg, vg, og, lse, dog, ctx.ft, **ctx.cfg["blocks"])
+        if dsinks is not None:  # (B*Hkv, G) -> summed over the batch -> (Hq,)
+            shape, dtype = ctx.sinks_meta
+            dsinks = dsinks.view(b, -1).sum(dim=0).reshape(shape).to(dtype)
         return (_ungrouped(dq, b, hkv).to(q.dtype), dk.view(k.shape).to(k.dtype), dv.view(v.shape).to(v.dtype),
-                None, None, None, None)
+                dsinks, None, None)
 
 
 def _check_devices(q, k, v):
@@ -186,19 +266,31 @@ def _check_devices(q, k, v):
         raise ValueError(f"{WHO}: unsupported device {q.device}; supported: cpu, cuda")
 
 
+def dropout_mask(q, k, v, p, seed):
+    """The keep mask (B, Hq, Sq, Sk) torch-tiled draws for dropout_p=p, dropout_seed=seed."""
+    return counter_rng.keep_mask(q.shape[0], q.shape[1], q.shape[2], k.shape[2], p, seed, q.device)
+
+
 @implementation(name=WHO, causal=("bottom_right", "top_left"), dtypes=DTYPES, devices=("cpu", "cuda"),
-                backward=True, gqa=True, lse=True, framework="torch", blocks="any")
-def attention(q, k, v, *, causal=False, scale=None, block_q=256, block_k=256):
+                backward=True, gqa=True, lse=True, framework="torch", blocks="any",
+                window=True, softcap=True, alibi=True, sinks=True, dropout=True, dropout_mask=dropout_mask)
+def attention(q, k, v, *, causal=False, scale=None, block_q=256, block_k=256, window=(-1, -1), softcap=0.0,
+              alibi_slopes=None, sinks=None, dropout_p=0.0, dropout_seed=0):
     """Tiled FlashAttention. Returns O in the input dtype and LSE (float32 for fp16/bf16 inputs);
-    differentiable in q, k, v.
+    differentiable in q, k, v and sinks.
 
     causal: False, True (= "bottom_right"), "bottom_right" or "top_left" (DESIGN.md).
     scale: None means 1/sqrt(D); any float, 0.0 included, is used as given.
     block_q, block_k: tile sizes; any int >= 1 (large tiles are faster, memory is O(block_q * block_k)).
+    window, softcap, alibi_slopes, sinks, dropout_p, dropout_seed: README, "Features".
     """
     _check_devices(q, k, v)
     check_inputs(q, k, v, dtypes=DTYPES, who=WHO)
     check_blocks(block_q, block_k, who=WHO)
-    align = alignment(causal)
+    window = check_features(q, who=WHO, window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+                            dropout_p=dropout_p)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    return TiledAttention.apply(q, k, v, align, scale, block_q, block_k)
+    cfg = {"blocks": dict(block_q=block_q, block_k=block_k),
+           "features": dict(align=alignment(causal), scale=scale, window=window, softcap=float(softcap),
+                            dropout_p=float(dropout_p), seed=int(dropout_seed))}
+    return TiledAttention.apply(q, k, v, sinks, alibi_slopes, cfg)

@@ -365,7 +365,7 @@ def flash_attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0
 # What triton-fused declares; its mutants declare the same.
 DECLARED = dict(causal=("bottom_right", "top_left"), dtypes=DTYPES, devices=("cpu",) if INTERPRET else ("cuda",),
                 backward=True, gqa=True, lse=True, framework="torch", blocks=BLOCKS, head_dims=(1, 256),
-                max_seq=INTERPRET_MAX_SEQ,
+                max_seq=INTERPRET_MAX_SEQ, window=True, softcap=True, alibi=True, sinks=True,
                 tags=("interpreter",) if INTERPRET else ())
 
 

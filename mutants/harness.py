@@ -11,12 +11,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from strategies.case import CASE_PATTERN
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS: list = []  # (spec, bug class, Verdict) of this session, for the table
 # Cheapest properties first, so a kill is found as early as it can be; -x stops at it.
 FILES = ["properties/test_forward.py", "properties/test_backward.py", "properties/test_invariance.py",
          "properties/test_bad_input.py"]
 VALUES = FILES[:2]  # precision bugs show in the values themselves
+# The feature matrix's mutants break a feature, so its properties are what must kill them.
+FEATURE_FILES = ["properties/test_features.py", "properties/test_dropout.py"]
 
 
 @dataclass
@@ -50,7 +54,7 @@ def run_suite(spec: str, pins: bool = True, timeout: float = 600, files=FILES) -
     if proc.returncode not in (0, 1):
         raise RuntimeError(f"pytest could not run {spec} (exit {proc.returncode}):\n{out[-3000:]}")
     failed = re.search(r"^FAILED (\S+)", out, re.M)
-    cases = re.findall(r"case: (AttentionCase\([^)]*\))", out)
+    cases = re.findall(f"case: ({CASE_PATTERN.pattern})", out)
     return Verdict(spec, proc.returncode == 1, seconds, failed.group(1) if failed else "",
                    cases[-1] if cases else "", out)
 

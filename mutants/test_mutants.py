@@ -5,7 +5,7 @@ same path a user's plug-in takes. The table printed at the end is README's mutan
 """
 import pytest
 
-from mutants import harness, precision, tiled
+from mutants import features, harness, precision, tiled
 
 try:
     from mutants import triton as triton_mutants
@@ -15,17 +15,31 @@ except ImportError:  # no triton here: its mutants cannot run, the NumPy ones st
 pytestmark = pytest.mark.mutants
 
 MUTANTS = [(f"mutants/tiled.py:{bug}", what) for bug, what in tiled.BUGS.items()]
+MUTANTS += [(f"mutants/features.py:{bug}", what) for bug, what in features.BUGS.items()]
 if triton_mutants is not None:
     MUTANTS += [(f"mutants/triton.py:{bug}", what) for bug, what in triton_mutants.BUGS.items()]
+    MUTANTS += [(f"mutants/triton.py:{bug}", what) for bug, what in triton_mutants.FEATURE_BUGS.items()]
 # Precision bugs need long sequences to show, so their shrunk cases are not held to small().
 PRECISION = [(f"mutants/precision.py:{bug}", what) for bug, what in precision.BUGS.items()]
 MUTANTS += PRECISION
 # The mutants' own correct build is the false-alarm check CI runs; the built-ins pass the
 # main suite already, so repeating them here through the harness is opt-in (slow).
-CORRECT = ["mutants/tiled.py:correct", pytest.param("mutants/precision.py:correct", id="precision-correct"),
+CORRECT = ["mutants/tiled.py:correct", "mutants/features.py:correct",
+           pytest.param("mutants/precision.py:correct", id="precision-correct"),
            pytest.param("impls.numpy_ref:tiled_forward", marks=pytest.mark.slow),
            pytest.param("impls.triton_fused:attention", marks=pytest.mark.slow)]
 RESULTS = harness.RESULTS
+
+
+def _files(spec):
+    if spec.startswith("mutants/features.py:dropout"):
+        return ["properties/test_dropout.py"]  # dropout's properties alone: the others pass ~15 s first
+    if spec.startswith("mutants/precision.py"):
+        return harness.VALUES  # precision bugs show in the values themselves
+    feature_bugs = triton_mutants.FEATURE_BUGS if triton_mutants is not None else {}
+    if spec.startswith("mutants/features.py") or spec.split(":")[-1] in feature_bugs:
+        return harness.FEATURE_FILES
+    return harness.FILES
 
 
 def small(case) -> bool:
@@ -39,8 +53,7 @@ def small(case) -> bool:
 @pytest.mark.parametrize("pins", [pytest.param(True, marks=pytest.mark.slow), False], ids=["pinned", "shrunk"])
 @pytest.mark.parametrize("spec,what", MUTANTS, ids=[s.split("/")[-1].replace(".py:", "-") for s, _ in MUTANTS])
 def test_mutant_is_killed_with_a_small_case(spec, what, pins):
-    files = harness.VALUES if (spec, what) in PRECISION else harness.FILES
-    verdict = harness.run_suite(spec, pins=pins, files=files)
+    verdict = harness.run_suite(spec, pins=pins, files=_files(spec))
     RESULTS.append((spec, what, pins, verdict))
     assert verdict.killed, f"{spec} ({what}) survived the property suite:\n{verdict.output[-2000:]}"
     assert verdict.case, f"{spec} was killed by {verdict.test} but no shrunk case was reported"
@@ -50,6 +63,6 @@ def test_mutant_is_killed_with_a_small_case(spec, what, pins):
 
 @pytest.mark.parametrize("spec", CORRECT)
 def test_correct_kernel_raises_no_false_alarm(spec):
-    verdict = harness.run_suite(spec, files=harness.VALUES if "precision" in spec else harness.FILES)
+    verdict = harness.run_suite(spec, files=_files(spec))
     RESULTS.append((spec, "correct", True, verdict))
     assert not verdict.killed, f"{spec} is correct but failed {verdict.test}:\n{verdict.output[-3000:]}"

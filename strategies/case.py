@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from dataclasses import dataclass, fields, replace
 
 import numpy as np
@@ -21,9 +22,23 @@ ALIGNMENTS = (None, "bottom_right", "top_left")
 OVERFLOW_LOG = {"float64": 709.78, "float32": 88.72, "bfloat16": 88.72, "float16": 11.09}
 EPS = {"float64": 2.0 ** -52, "float32": 2.0 ** -23, "bfloat16": 2.0 ** -7, "float16": 2.0 ** -10}
 MAX_INPUT = {"float64": 1e150, "float32": 1e30, "bfloat16": 1e30, "float16": 3e4}
+# The features' "off" values: a case prints only the features it turns on, so cases without
+# them print (and replay) exactly as before the features existed.
+FEATURES_OFF = dict(window=None, softcap=0.0, alibi=None, sinks=None, dropout_p=0.0, dropout_seed=0)
+# A printed case, as failure messages hold it (its fields may hold tuples of tuples).
+CASE_PATTERN = re.compile(r"AttentionCase\((?:[^()]|\((?:[^()]|\([^()]*\))*\))*\)")
 
 
-@dataclass(frozen=True)
+def _literal(x) -> str:
+    """repr, except that an infinite float prints as 1e999 (which Python reads back as inf)."""
+    if isinstance(x, tuple):
+        return "(" + ", ".join(_literal(e) for e in x) + ("," if len(x) == 1 else "") + ")"
+    if isinstance(x, float) and math.isinf(x):
+        return "-1e999" if x < 0 else "1e999"
+    return repr(x)
+
+
+@dataclass(frozen=True, repr=False)
 class AttentionCase:
     batch: int = 1
     hq: int = 1
@@ -40,11 +55,17 @@ class AttentionCase:
     regime: str = "plain"
     seed: int = 0
     precision: str = "fused"  # the rounding model it is judged by (impls.rounding); fit() copies the kernel's
+    # features (README, "Features"); each defaults to off
+    window: tuple[int, int] | None = None  # (left, right), -1 = unbounded on that side
+    softcap: float = 0.0  # 0 = off
+    alibi: tuple | None = None  # slopes: Hq floats, or B tuples of Hq floats (per batch)
+    sinks: tuple | None = None  # one sink logit per query head
+    dropout_p: float = 0.0
+    dropout_seed: int = 0
 
     def __repr__(self):  # fields at their default are left out: the printed case is short, and still exact
-        changed = [f"{f.name}={getattr(self, f.name)!r}" for f in fields(self)
-                   if getattr(self, f.name) != f.default]
-        return f"AttentionCase({', '.join(changed)})"
+        shown = [f for f in fields(self) if getattr(self, f.name) != f.default]
+        return f"AttentionCase({', '.join(f'{f.name}={_literal(getattr(self, f.name))}' for f in shown)})"
 
     def __post_init__(self):
         if self.hkv < 1 or self.hq % self.hkv:
@@ -57,6 +78,16 @@ class AttentionCase:
             raise ValueError(f"dtype must be one of {tuple(EPS)}, got {self.dtype!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.window is not None and not (len(self.window) == 2 and all(w >= -1 for w in self.window)):
+            raise ValueError(f"window must be (left, right) with each side >= -1, got {self.window!r}")
+        if not self.softcap >= 0:
+            raise ValueError(f"softcap must be >= 0 (0 = off), got {self.softcap!r}")
+        if self.alibi is not None and np.shape(self.alibi) not in ((self.hq,), (self.batch, self.hq)):
+            raise ValueError(f"alibi must hold {self.hq} slopes, or {self.batch} tuples of them, got {self.alibi!r}")
+        if self.sinks is not None and len(self.sinks) != self.hq:
+            raise ValueError(f"sinks must hold one logit per query head ({self.hq}), got {self.sinks!r}")
+        if not 0 <= self.dropout_p < 1:
+            raise ValueError(f"dropout_p must be in [0, 1), got {self.dropout_p!r}")
 
     def replace(self, **changes) -> "AttentionCase":
         return replace(self, **changes)
@@ -66,17 +97,49 @@ class AttentionCase:
         return 1.0 / math.sqrt(self.d) if self.scale is None else self.scale
 
     def reference_kwargs(self) -> dict:
-        """The keyword arguments the dense reference (impls.numpy_ref) takes for this case's semantics."""
-        return dict(causal=self.causal or False, scale=self.scale)
+        """The keyword arguments the dense reference (impls.numpy_ref) takes for this case's semantics.
+
+        Dropout is not among them: its mask is the implementation's (see properties/test_dropout.py).
+        """
+        kw = dict(causal=self.causal or False, scale=self.scale)
+        if self.window is not None:
+            kw["window"] = self.window
+        if self.softcap:
+            kw["softcap"] = self.softcap
+        if self.alibi is not None:
+            kw["alibi_slopes"] = self.alibi_slopes()
+        if self.sinks is not None:
+            kw["sinks"] = self.sink_logits()
+        return kw
+
+    def alibi_slopes(self) -> np.ndarray | None:
+        """float32 (Hq,) or (B, Hq), as passed to an implementation."""
+        return None if self.alibi is None else np.array(self.alibi, dtype=np.float32)
+
+    def sink_logits(self) -> np.ndarray | None:
+        """float32 (Hq,), as passed to an implementation."""
+        return None if self.sinks is None else np.array(self.sinks, dtype=np.float32)
+
+    @property
+    def features(self) -> tuple[str, ...]:
+        """The features this case turns on, by their declaration names."""
+        on = {"window": self.window is not None, "softcap": self.softcap > 0, "alibi": self.alibi is not None,
+              "sinks": self.sinks is not None, "dropout": self.dropout_p > 0}
+        return tuple(name for name, flag in on.items() if flag)
 
     @property
     def offset(self) -> int:
         return self.sk - self.sq if self.causal == "bottom_right" else 0
 
     def visible(self) -> np.ndarray:
-        """(Sq, Sk) boolean: which keys each query row sees."""
+        """(Sq, Sk) boolean: which keys each query row sees (the causal mask and the window)."""
         i, j = np.arange(self.sq)[:, None], np.arange(self.sk)[None, :]
-        return np.ones((self.sq, self.sk), bool) if self.causal is None else j <= i + self.offset
+        vis = np.ones((self.sq, self.sk), bool) if self.causal is None else j <= i + self.offset
+        if self.window is not None:
+            left, right = self.window
+            dist = j - (i + self.sk - self.sq)
+            vis = vis & (dist >= -left if left >= 0 else True) & (dist <= right if right >= 0 else True)
+        return vis
 
     @property
     def has_masked_rows(self) -> bool:

@@ -13,6 +13,7 @@ from hypothesis import note, reject, settings
 from hypothesis import strategies as st
 
 from strategies.case import REGIMES, AttentionCase
+from strategies.features import feature_fields, fit_features
 
 # How large cases get, by Hypothesis profile; "default" also covers unknown profiles.
 LIMITS = {
@@ -48,12 +49,13 @@ def lengths(block: int, top: int):
 
 @st.composite
 def cases(draw, *, dtypes=None, causal=None, regimes=REGIMES, masked_rows=False, masked_keys=False,
-          equal_lengths=False):
+          equal_lengths=False, features=()):
     """Draw an AttentionCase.
 
     ``causal`` fixes the alignment (or "none"); ``masked_rows=True`` forces a
     bottom-right case with query rows that see no key, ``masked_keys=True`` a top-left
-    case with keys no query sees; ``regimes`` narrows the logits.
+    case with keys no query sees; ``regimes`` narrows the logits; ``features`` names the
+    features (strategies/features.py) that may be drawn on, each shrinking to off.
     """
     lim = limits()
     half = [t for t in (dtypes or DTYPES.get(_profile(), DEFAULT_DTYPES)) if t in HALF]
@@ -86,8 +88,9 @@ def cases(draw, *, dtypes=None, causal=None, regimes=REGIMES, masked_rows=False,
                  label="dtype")
     regime = draw(st.sampled_from(regimes), label="regime")
     seed = draw(st.integers(0, 2**32 - 1), label="seed")
+    extra = draw(feature_fields(features, batch=batch, hq=hq, seq=lim["seq"])) if features else {}
     return AttentionCase(batch=batch, hq=hq, hkv=hkv, sq=sq, sk=sk, d=d, dv=dv, causal=align, scale=scale,
-                         dtype=dtype, block_q=block_q, block_k=block_k, regime=regime, seed=seed)
+                         dtype=dtype, block_q=block_q, block_k=block_k, regime=regime, seed=seed, **extra)
 
 
 # About one draw in eight goes to the long region; shrinking leaves it for the short one.
@@ -133,7 +136,7 @@ def fit(impl, case: AttentionCase) -> AttentionCase:
     Fitting, not filtering, keeps every draw useful and lets an ``@example`` pin one
     case for every implementation.
     """
-    c = case.replace(precision=impl.precision)
+    c = fit_features(impl, case).replace(precision=impl.precision)
     if c.dtype not in impl.dtypes:
         c = c.replace(dtype=min(impl.dtypes, key=lambda t: abs(_PRECISION[t] - _PRECISION[c.dtype])))
     if c.causal is not None and c.causal not in impl.causal:
@@ -152,9 +155,11 @@ def fit(impl, case: AttentionCase) -> AttentionCase:
     if not impl.masked_rows and c.causal == "bottom_right" and sq > sk:
         sq = sk
     c = c.replace(sq=sq, sk=sk)
+    if not impl.masked_rows and c.window is not None and not c.visible().any(axis=1).all():
+        c = c.replace(window=None)  # a window that empties rows, for one that declares it cannot have them
     if isinstance(impl.blocks, tuple):
         c = c.replace(block_q=_nearest(c.block_q, impl.blocks), block_k=_nearest(c.block_k, impl.blocks))
-    if c != case:
+    if c != case.replace(precision=impl.precision):  # a precision alone is not worth a note
         note(f"fitted to {impl.name}: {c!r}")
     for issue in impl.known_issues:
         if issue.applies(c):

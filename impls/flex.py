@@ -1,0 +1,118 @@
+"""torch's FlexAttention (torch.nn.attention.flex_attention) as an independent implementation of the
+feature matrix: causal masks and the sliding window as a ``mask_mod`` (a block mask), the softcap
+and the ALiBi bias as a ``score_mod``, sinks merged in afterwards through the LSE.
+
+Eager on CPU (an unfused reference path: it materializes the scores, forward only: torch has no
+CPU backward for FlexAttention), torch.compile'd on CUDA (fused kernels, forward and backward).
+
+What FlexAttention cannot express is not declared: dropout (a score_mod has no random numbers).
+Sinks are not a FlexAttention feature; they are added exactly from the returned LSE,
+O' = O exp(LSE - LSE'), LSE' = logaddexp(LSE, sink), which needs gradients through the LSE,
+so they are declared where there is no backward to trust that path to (CPU).
+"""
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+
+from impls import implementation
+from impls.checks import alignment, check_features, check_inputs, offset
+
+try:
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+except ImportError as exc:  # torch < 2.5
+    raise ImportError(f"impls.flex needs torch.nn.attention.flex_attention: {exc}") from exc
+
+try:
+    from torch.nn.attention.flex_attention import AuxRequest
+except ImportError:  # torch < 2.9 returns the LSE through return_lse=True
+    AuxRequest = None
+
+WHO = "flex"
+_CUDA = torch.cuda.is_available()
+DTYPES = ("float16", "bfloat16", "float32") if _CUDA else ("float64", "float32", "float16", "bfloat16")
+
+
+@functools.lru_cache(maxsize=1)
+def _compiled():
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _mask_mod(sq, sk, align, window):
+    off, diag = offset(sq, sk, align), sk - sq
+    left, right = window
+
+    def mask(b, h, i, j):
+        seen = j >= 0  # a tensor of True, whatever the mask below adds
+        if align is not None:
+            seen = seen & (j <= i + off)
+        if left >= 0:
+            seen = seen & (j >= i + diag - left)
+        if right >= 0:
+            seen = seen & (j <= i + diag + right)
+        return seen
+
+    return mask
+
+
+def _score_mod(sq, sk, softcap, slopes):
+    diag = sk - sq
+
+    def score(s, b, h, i, j):
+        if softcap:
+            s = softcap * torch.tanh(s / softcap)
+        if slopes is not None:
+            s = s - slopes[b, h] * (i + diag - j).abs()
+        return s
+
+    return score
+
+
+def _flex(q, k, v, **kw):
+    run = _compiled() if q.is_cuda else flex_attention
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # eager mode warns that it is unfused: that is what we want on CPU
+        if AuxRequest is not None:
+            o, aux = run(q, k, v, return_aux=AuxRequest(lse=True), **kw)
+            return o, aux.lse
+        return run(q, k, v, return_lse=True, **kw)
+
+
+def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None):
+    for label, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{WHO}: {label} must be a torch.Tensor, got {type(x).__name__}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"{WHO}: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if q.device.type != ("cuda" if _CUDA else "cpu"):
+        raise ValueError(f"{WHO}: unsupported device {q.device}; supported: {'cuda' if _CUDA else 'cpu'}")
+    b, hq, hkv, sq, sk, d, dv = check_inputs(q, k, v, dtypes=DTYPES, who=WHO)
+    align = alignment(causal)
+    window = check_features(q, who=WHO, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                            sinks=sinks) or (-1, -1)
+    if align is not None or window != (-1, -1):
+        mask = create_block_mask(_mask_mod(sq, sk, align, window), None, None, sq, sk, device=q.device)
+    else:
+        mask = None
+    cdt = torch.float64 if q.dtype == torch.float64 else torch.float32  # the dtype flex computes scores in
+    slopes = None if alibi_slopes is None else alibi_slopes.to(cdt).expand(b, hq)
+    mod = _score_mod(sq, sk, float(softcap), slopes) if softcap or slopes is not None else None
+    o, lse = _flex(q, k, v, score_mod=mod, block_mask=mask, scale=None if scale is None else float(scale),
+                   enable_gqa=hq != hkv)
+    if sinks is not None:
+        sink = sinks.to(lse.dtype)[None, :, None]
+        total = torch.logaddexp(lse, sink)
+        # the keys' share of the softmax; 0 on a row that sees nothing (and never -inf - -inf = NaN)
+        share = torch.where(total == float("-inf"), 0.0, torch.exp(lse - total))
+        o = (o * share.unsqueeze(-1)).to(q.dtype)
+        lse = total
+    return o, lse
+
+
+# Eager FlexAttention costs ~0.1 s a call on CPU: its full property run is opt-in there ("slow",
+# e.g. pytest -m properties --impl flex); properties/test_flex.py pins one case per feature for CI.
+implementation(name=WHO, causal=("bottom_right", "top_left"), dtypes=DTYPES, devices=("cuda",) if _CUDA else ("cpu",),
+               backward=_CUDA, gqa=True, lse=True, window=True, softcap=True, alibi=True, sinks=not _CUDA,
+               head_dims=(16, 256) if _CUDA else (1, 256), tags=() if _CUDA else ("slow",))(attention)

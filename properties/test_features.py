@@ -1,0 +1,238 @@
+"""Sliding window, softcap, ALiBi and attention sinks: agreement with dense float64, and the
+metamorphic relations that tie each feature back to plain attention.
+
+Every case is drawn with the features the implementation declares (the others are fitted
+off), each shrinking to off: a failure whose case still has a feature on needs it.
+Dropout has its own file (test_dropout.py): its results are random by design.
+"""
+import math
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings, assume, example, given, note
+from hypothesis import strategies as st
+
+import oracle as orc
+import strategies as fs
+from impls import call, numpy_ref
+from properties import helpers as ph
+from strategies import AttentionCase as Case
+
+pytestmark = pytest.mark.properties
+
+FEATURES = ("window", "softcap", "alibi", "sinks")
+
+
+def _compare_all(impl, case, res, names, who=None):
+    for name in names:
+        got = getattr(res, name)
+        if got is not None:
+            orc.compare(case, name, got, who=who or impl.name)
+
+
+@pytest.mark.requires("features")
+@given(case=fs.cases(features=FEATURES))
+@example(case=Case(sq=4, sk=6, window=(0, 0)))  # each row sees exactly its diagonal key
+@example(case=Case(sq=6, sk=3, d=2, window=(1, 1)))  # Sq > Sk: the first rows' windows end before key 0
+@example(case=Case(sq=5, sk=5, causal="top_left", window=(2, -1), block_q=2, block_k=2))  # window + causal
+@example(case=Case(sq=3, sk=4, softcap=1e-3))  # saturated: every logit pinned near +-c
+@example(case=Case(hq=2, sq=3, sk=5, alibi=(0.5, -0.5)))  # ALiBi of both signs, Sq != Sk
+@example(case=Case(batch=2, hq=2, sq=4, sk=2, alibi=((0.25, 1.0), (-1.0, 0.0))))  # per-batch slopes
+@example(case=Case(sq=3, sk=1, causal="bottom_right", sinks=(1.5,)))  # masked rows with a sink: O = 0, LSE = sink
+@example(case=Case(sq=2, sk=3, sinks=(1e3,), dtype="float32"))  # a dominant sink: O ~ 0
+def test_output_matches_dense_float64_with_features(impl, case):
+    case = fs.fit(impl, case)
+    note(f"features on: {case.features}")
+    res = ph.forward(impl, case)
+    _compare_all(impl, case, res, ("o", "lse"))
+
+
+@pytest.mark.requires("features", "backward")
+@given(case=fs.cases(features=FEATURES))
+@example(case=Case(sq=3, sk=4, d=2, softcap=0.5, scale=3.0))  # the tanh's derivative enters dQ and dK
+@example(case=Case(hq=2, hkv=1, sq=4, sk=3, sinks=(0.0, -2.0), causal="bottom_right"))  # dsinks, masked rows
+@example(case=Case(sq=5, sk=5, window=(1, 0), block_q=2, block_k=2))  # window in the backward
+@example(case=Case(hq=2, sq=3, sk=6, alibi=(0.5, -0.25), softcap=2.0, sinks=(0.5, 1.0)))  # all at once
+def test_gradients_match_analytic_float64_with_features(impl, case):
+    case = fs.fit(impl, case)
+    note(f"features on: {case.features}")
+    res = ph.backward(impl, case)
+    _compare_all(impl, case, res, ("dq", "dk", "dv"))
+    if case.sinks is not None:
+        assert res.dsinks is not None, f"{impl.name}: declares sinks but gave no gradient for them\n  case: {case!r}"
+        orc.compare(case, "dsinks", res.dsinks, who=impl.name)
+
+
+@pytest.mark.requires("features")
+@given(case=fs.cases(features=FEATURES))
+@settings(suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow])  # rows emptied by a window are rare
+def test_rows_that_see_no_key_give_zero_output(impl, case):
+    """Also with a sink: the sink takes the whole softmax and contributes no value."""
+    case = fs.fit(impl, case)
+    rows = ph.masked_rows(case)
+    assume(rows.size)
+    res = ph.forward(impl, case)
+    o = res.o[:, :, rows]
+    assert np.all(o == 0), f"{impl.name}: expected O = 0 on rows {rows.tolist()} that see no key\n  case: {case!r}"
+    if res.lse is not None:
+        want = np.broadcast_to(-np.inf if case.sinks is None else case.sink_logits()[None, :, None], o.shape[:3])
+        assert np.array_equal(res.lse[:, :, rows], want), (
+            f"{impl.name}: expected LSE {'-inf' if case.sinks is None else 'equal to the sink'} on rows that see "
+            f"no key, got {res.lse[:, :, rows].ravel()[:5]}\n  case: {case!r}")
+
+
+def _finite_gap(a, b) -> float:
+    both = np.isfinite(a) & np.isfinite(b)
+    with np.errstate(invalid="ignore"):
+        return float(np.abs(np.where(both, a - b, 0.0)).max(initial=0.0))
+
+
+def _same(impl, case, other, what, drift=None):
+    """``impl`` on ``other`` gives what it gives on ``case`` (up to twice the rounding allowed, plus the
+    float64 difference ``drift`` of the two problems' truths)."""
+    names = ph.RESULTS if impl.has_backward else ("o", "lse")
+    run = ph.backward if impl.has_backward else ph.forward
+    a, b = run(impl, case), run(impl, other)
+    for name in names:
+        x, y = getattr(a, name), getattr(b, name)
+        if x is None:
+            continue
+        extra = 0.0 if drift is None else _finite_gap(orc.truth(case)[name], orc.truth(other)[name])
+        orc.compare(case, name, y, want=x, budget=2 * orc.allowed(case, name)[0] + extra,
+                    who=f"{impl.name} ({what})")
+
+
+@pytest.mark.requires("window")
+@given(case=fs.cases(features=FEATURES))
+@example(case=Case(sq=3, sk=5, causal="bottom_right"))
+def test_a_window_of_the_full_length_equals_no_window(impl, case):
+    case = fs.fit(impl, case.replace(window=None))
+    full = case.replace(window=(case.sq + case.sk, case.sq + case.sk))
+    _same(impl, case, full, f"window {full.window} vs none")
+
+
+@pytest.mark.requires("softcap")
+@given(case=fs.cases(features=FEATURES))
+@example(case=Case(sq=2, sk=3, dtype="float32", regime="large"))
+def test_a_softcap_of_1e6_equals_no_softcap(impl, case):
+    """1e6 tanh(s / 1e6) = s - s^3 / 3e12 + ...: the truths differ by that much, which is allowed."""
+    case = fs.fit(impl, case.replace(softcap=0.0))
+    _same(impl, case, case.replace(softcap=1e6), "softcap 1e6 vs none", drift=True)
+
+
+@pytest.mark.requires("alibi")
+@given(case=fs.cases(features=FEATURES), per_batch=st.booleans())
+@example(case=Case(sq=3, sk=5), per_batch=False)
+def test_zero_slopes_equal_no_alibi(impl, case, per_batch):
+    case = fs.fit(impl, case.replace(alibi=None))
+    zeros = ((0.0,) * case.hq,) * case.batch if per_batch else (0.0,) * case.hq
+    _same(impl, case, case.replace(alibi=zeros), "zero slopes vs none")
+
+
+@pytest.mark.requires("sinks")
+@given(case=fs.cases(features=FEATURES))
+@example(case=Case(sq=3, sk=1, causal="bottom_right"))  # rows that see nothing: -inf - (-inf) must not be NaN
+def test_a_sink_of_minus_infinity_equals_no_sink(impl, case):
+    case = fs.fit(impl, case.replace(sinks=None))
+    gone = case.replace(sinks=(-math.inf,) * case.hq)
+    _same(impl, case, gone, "sinks -inf vs none")
+    if impl.has_backward:
+        dsinks = ph.backward(impl, gone).dsinks
+        assert dsinks is not None and np.array_equal(dsinks, np.zeros(case.hq)), (
+            f"{impl.name}: a sink of -inf takes no probability, so its gradient must be 0, got {dsinks}\n"
+            f"  case: {gone!r}")
+
+
+@pytest.mark.requires("alibi")
+@given(case=fs.cases(causal="none", features=("alibi", "softcap")), extra=st.integers(1, 8))
+@example(case=Case(sq=3, sk=2, alibi=(0.5,)), extra=1)
+def test_shifting_alibi_distances_leaves_rows_whose_keys_lie_on_one_side_unchanged(impl, case, extra):
+    """Appending query rows moves the diagonal i + Sk - Sq left by ``extra``: a row with every key at
+    or right of its diagonal (i <= Sq - Sk) sees every distance grow by ``extra``, a constant per
+    row that softmax ignores; its LSE moves by exactly -slope * extra."""
+    case = fs.fit(impl, case.replace(sq=max(case.sq, case.sk), window=None, sinks=None))
+    case = case if case.alibi is not None else case.replace(alibi=(0.5,) * case.hq)
+    assume(case.sq >= case.sk)
+    q, k, v, _ = case.inputs()
+    more = np.concatenate([q, fs.quantize(np.random.default_rng(extra).standard_normal(q.shape[:2] + (extra,) +
+                                                                                         q.shape[3:]), case.dtype)], 2)
+    rows = np.arange(case.sq - case.sk + 1)
+    note(f"rows compared: {rows.tolist()}, {extra} query rows appended")
+    kw = case.reference_kwargs()
+    drift = _finite_gap(numpy_ref.dense_forward(more, k, v, **kw)[0][:, :, rows],
+                        numpy_ref.dense_forward(q, k, v, **kw)[0][:, :, rows])
+    base, moved = ph.forward(impl, case), ph.forward(impl, case, q=more)
+    budget = 4 * orc.allowed(case, "o")[0][:, :, rows] + drift
+    orc.compare(case, "o", moved.o[:, :, rows], want=base.o[:, :, rows], budget=budget,
+                who=f"{impl.name} (ALiBi distances + {extra})")
+    if base.lse is not None:
+        slopes = np.broadcast_to(case.alibi_slopes().astype(np.float64), (case.batch, case.hq))[:, :, None]
+        want = base.lse[:, :, rows] - slopes * extra
+        orc.compare(case, "lse", moved.lse[:, :, rows], want=want, budget=4 * orc.allowed(case, "lse")[0][:, :, rows] +
+                    4 * orc.EPS["float32"] * np.abs(slopes * (case.sk + extra)).max(),
+                    who=f"{impl.name} (LSE with ALiBi distances + {extra})")
+
+
+@given(case=fs.cases(dtypes=("float64",), regimes=("plain", "equal", "ties", "dominant", "heavy"),
+                     features=fs.FEATURES))
+@example(case=Case(hq=2, hkv=1, sq=4, sk=3, d=2, causal="bottom_right", window=(1, 0), softcap=0.5,
+                   alibi=(0.5, -0.25), sinks=(0.3, -1.0), dropout_p=0.5, dropout_seed=3))
+def test_reference_backward_with_every_feature_agrees_with_central_differences(case):
+    """d/dt f(x + t u) at t = 0, with f = sum(O * dO), against <grad f, u>, in float64, over q, k, v and
+    the sink logits; dropout enters as a fixed keep mask drawn from the case's dropout seed."""
+    q, k, v, do = case.inputs()
+    kw = case.reference_kwargs()
+    if case.dropout_p:
+        keep = np.random.default_rng(case.dropout_seed).random(do.shape[:3] + (case.sk,)) >= case.dropout_p
+        kw.update(dropout_p=case.dropout_p, dropout_mask=keep)
+    sinks = kw.pop("sinks", None)
+    sinks = None if sinks is None else sinks.astype(np.float64)
+    o, lse = numpy_ref.dense_forward(q, k, v, sinks=sinks, **kw)
+    grads = numpy_ref.dense_backward(q, k, v, o, lse, do, sinks=sinks, **kw)
+    rng = np.random.default_rng(case.seed + 1)
+    xs = (q, k, v) if sinks is None else (q, k, v, sinks)
+    dirs = [rng.standard_normal(x.shape) for x in xs]
+
+    def f(t):
+        moved = [x + t * u for x, u in zip(xs, dirs)]
+        extra = {} if sinks is None else {"sinks": moved[3]}
+        return float((numpy_ref.dense_forward(*moved[:3], **kw, **extra)[0] * do).sum())
+
+    # tanh(s / c) bends on the scale of c: the step must be small against it
+    h = 1e-5 * min(1.0, case.softcap or 1.0) / (1 + orc.truth(case).logit_max)
+    numeric = (f(h) - f(-h)) / (2 * h)
+    analytic = sum(float((g * u).sum()) for g, u in zip(grads, dirs))
+    size = sum(float(np.abs(g * u).sum()) for g, u in zip(grads, dirs))
+    note(f"numeric {numeric!r}, analytic {analytic!r}")
+    assert abs(numeric - analytic) <= 1e-6 * (1 + size), (
+        f"central difference {numeric:.10g} != analytic {analytic:.10g} (|diff| {abs(numeric - analytic):.3e})")
+
+
+MALFORMED = [  # (feature, keyword, bad value: a callable of (framework array maker) -> value)
+    ("window", "window", lambda arr: (1,)),
+    ("window", "window", lambda arr: (-2, 0)),
+    ("softcap", "softcap", lambda arr: -1.0),
+    ("alibi", "alibi_slopes", lambda arr: arr(np.ones(3, np.float32))),
+    ("sinks", "sinks", lambda arr: arr(np.ones((1, 2), np.float32))),
+    ("dropout", "dropout_p", lambda arr: 1.0),
+]
+
+
+@pytest.mark.parametrize("feature, keyword, bad", MALFORMED, ids=[f"{k}-{i}" for i, (_, k, _) in enumerate(MALFORMED)])
+def test_a_malformed_feature_argument_raises_an_error_naming_it(impl, feature, keyword, bad):
+    if not getattr(impl, feature):
+        pytest.skip(f"{impl.name} does not declare {feature}")
+    case = fs.fit(impl, Case(hq=2, sq=2, sk=3, d=2, dv=2, dtype="float32"))
+    q, k, v, _ = case.inputs()
+    if impl.framework == "numpy":
+        arr, args = np.asarray, tuple(x.astype(case.dtype) for x in (q, k, v))
+    else:
+        import torch
+
+        device = call.device_for(impl)
+        arr = lambda a: torch.from_numpy(a).to(device)  # noqa: E731
+        args = tuple(torch.from_numpy(x).to(device=device, dtype=getattr(torch, case.dtype)) for x in (q, k, v))
+    kw = call.kwargs_for(impl, case, tensor=arr)
+    kw[keyword] = bad(arr)
+    with pytest.raises((ValueError, TypeError), match=keyword):
+        impl.fn(*args, **kw)

@@ -1,0 +1,95 @@
+"""Strategies for the feature matrix: sliding window, softcap, ALiBi, attention sinks, dropout.
+
+Each feature is drawn "on" only after a boolean that shrinks to False, so a failing case
+shrinks to the feature off whenever the failure does not need it: the report then shows
+whether the feature matters. Inside a feature, every draw shrinks towards its mildest form.
+"""
+from __future__ import annotations
+
+from hypothesis import strategies as st
+
+FEATURES = ("window", "softcap", "alibi", "sinks", "dropout")
+# tiny (saturating: every logit pinned near +-c) ... huge (the identity)
+SOFTCAPS = (1.0, 1e-3, 0.05, 0.5, 5.0, 30.0, 1e6)
+# from -inf-like (exp underflows in every dtype) to dominant (the sink outweighs every key)
+SINKS = (0.0, -1e30, -30.0, -3.0, 3.0, 30.0, 1e3)
+DROPOUTS = (0.1, 1e-3, 0.5, 0.9)  # 0 is "off"; tiny, 0.1, 0.5 and 0.9 are the issue's
+
+
+def geometric_slopes(h: int) -> tuple[float, ...]:
+    """ALiBi's own slopes for h heads: 2^(-8 i / h), i = 1..h (Press et al., 2022)."""
+    return tuple(float(2.0 ** (-8.0 * i / h)) for i in range(1, h + 1))
+
+
+def _f32(x: float) -> float:
+    import numpy as np
+
+    return float(np.float32(x))  # slopes and sinks are float32 tensors: draw what they can hold
+
+
+@st.composite
+def windows(draw, seq: int):
+    """(left, right): each side unbounded (-1), 0, narrow, or wider than any sequence drawn.
+
+    Narrow sides on both ends and Sq > Sk empty whole rows (a row's window lies before key 0);
+    asymmetric ones come from drawing the sides independently.
+    """
+    side = st.one_of(st.just(-1), st.integers(0, 3), st.integers(0, seq + 2))
+    return draw(side, label="window left"), draw(side, label="window right")
+
+
+def softcaps():
+    return st.one_of(st.sampled_from(SOFTCAPS), st.floats(1e-2, 1e2).map(_f32))
+
+
+@st.composite
+def slopes(draw, batch: int, hq: int):
+    """ALiBi slopes: the geometric series, or random ones of both signs, per head or per batch and head."""
+    per_batch = draw(st.booleans(), label="slopes per batch")
+    rows = batch if per_batch else 1
+    if draw(st.booleans(), label="random slopes"):
+        one = st.one_of(st.sampled_from((0.0, 0.5, -0.5)), st.floats(-2.0, 2.0).map(_f32))
+        table = [tuple(draw(one, label="slope") for _ in range(hq)) for _ in range(rows)]
+    else:
+        table = [geometric_slopes(hq)] * rows
+    return tuple(table) if per_batch else table[0]
+
+
+@st.composite
+def sinks(draw, hq: int):
+    one = st.one_of(st.sampled_from(SINKS), st.floats(-10.0, 10.0).map(_f32))
+    return tuple(draw(one, label="sink") for _ in range(hq))
+
+
+@st.composite
+def feature_fields(draw, features, *, batch: int, hq: int, seq: int) -> dict:
+    """AttentionCase fields for the requested features, each on or off (off first)."""
+    unknown = set(features) - set(FEATURES)
+    if unknown:
+        raise ValueError(f"unknown features {sorted(unknown)}; known: {FEATURES}")
+    out = {}
+    on = {f: draw(st.booleans(), label=f"{f} on") for f in FEATURES if f in features}
+    if on.get("window"):
+        out["window"] = draw(windows(seq))
+    if on.get("softcap"):
+        out["softcap"] = draw(softcaps(), label="softcap")
+    if on.get("alibi"):
+        out["alibi"] = draw(slopes(batch, hq))
+    if on.get("sinks"):
+        out["sinks"] = draw(sinks(hq))
+    if on.get("dropout"):
+        out["dropout_p"] = draw(st.sampled_from(DROPOUTS), label="dropout_p")
+        out["dropout_seed"] = draw(st.integers(0, 2**31 - 1), label="dropout_seed")
+    return out
+
+
+def fit_features(impl, case):
+    """Turn off every feature ``impl`` does not declare."""
+    from strategies.case import FEATURES_OFF
+
+    off = {}
+    for feature, fields in (("window", ("window",)), ("softcap", ("softcap",)), ("alibi", ("alibi",)),
+                            ("sinks", ("sinks",)), ("dropout", ("dropout_p", "dropout_seed"))):
+        if not getattr(impl, feature, False):
+            off.update({f: FEATURES_OFF[f] for f in fields if getattr(case, f) != FEATURES_OFF[f]})
+    return case.replace(**off) if off else case
