@@ -225,13 +225,14 @@ def _rounding_bounds(case: AttentionCase) -> dict:
     # dS = P (dP - D): P's error, dP's float32 dot product, dS rounded to t (independent per entry),
     # and D's error, shared by every key of a row: D = rowsum(dO * O) reads O rounded to t.
     dp = do @ _swap(v)
-    ds = p * (dp - (do * o).sum(-1, keepdims=True))
+    dp_minus_d = dp - (do * o).sum(-1, keepdims=True)
+    ds = p * dp_minus_d
     a_ds = np.abs(ds)
     o_round = half_spacing(o, pr.out_fmt)
     d_worst = (ado * (o_worst + o_round)).sum(-1, keepdims=True) + acc(dv) * (ado * ao).sum(-1, keepdims=True)
     d_var = (ado * ado * (o_var + o_round * o_round * VAR)).sum(-1, keepdims=True)
     dp_err = p * acc(dv) * (ado @ _swap(av))
-    sub_ds = sub * (1 + np.abs(dp - (do * o).sum(-1, keepdims=True)))  # P's and dS's own subnormals
+    sub_ds = sub * (1 + np.abs(dp_minus_d))  # P's and dS's own subnormals
     eta = a_ds * (rho + u_p) + dp_err + sub_ds
     eta2 = ds * ds * (rho_var + VAR * u_p ** 2) + VAR * dp_err ** 2 + sub_ds * sub_ds / 3
     pk = np.abs(p @ k)  # D's error enters dQ_i as dD_i (P K)_i: cancellation in P K counts

@@ -135,6 +135,7 @@ def table(rates) -> list[str]:
 def _load(path):
     spec = importlib.util.spec_from_file_location("oracle_under_test", path)
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up while it loads
     spec.loader.exec_module(mod)
     return mod
 
