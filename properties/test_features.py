@@ -75,10 +75,16 @@ def test_rows_that_see_no_key_give_zero_output(impl, case):
     o = res.o[:, :, rows]
     assert np.all(o == 0), f"{impl.name}: expected O = 0 on rows {rows.tolist()} that see no key\n  case: {case!r}"
     if res.lse is not None:
-        want = np.broadcast_to(-np.inf if case.sinks is None else case.sink_logits()[None, :, None], o.shape[:3])
-        assert np.array_equal(res.lse[:, :, rows], want), (
+        # -inf exactly without a sink; with one, the sink's logit (an fp32 kernel may carry it through
+        # base 2 and back, so it is held to the oracle's LSE bound, not to bitwise equality)
+        got, want = res.lse[:, :, rows], orc.truth(case).lse[:, :, rows]
+        bound = orc.allowed(case, "lse")[0][:, :, rows]
+        fin = np.isfinite(want)
+        with np.errstate(invalid="ignore"):
+            ok = np.where(fin, np.abs(got - want) <= bound, got == want)
+        assert ok.all(), (
             f"{impl.name}: expected LSE {'-inf' if case.sinks is None else 'equal to the sink'} on rows that see "
-            f"no key, got {res.lse[:, :, rows].ravel()[:5]}\n  case: {case!r}")
+            f"no key, got {got[~ok].ravel()[:5]} where {want[~ok].ravel()[:5]} was expected\n  case: {case!r}")
 
 
 def _finite_gap(a, b) -> float:
