@@ -153,6 +153,7 @@ def half_spacing(x: np.ndarray, dtype: str) -> np.ndarray:
 def compare(case: AttentionCase, name: str, got: np.ndarray, want: np.ndarray | None = None,
             budget: float | None = None, who: str = "") -> None:
     """Assert ``got`` matches the truth (or ``want``) for result ``name`` under the tolerance rule."""
+    source = "the float64 reference itself" if want is None else "the implementation's own result it is compared with"
     want = truth(case)[name] if want is None else want
     tol, dense_err = allowed(case, name)
     tol = tol if budget is None else budget
@@ -160,7 +161,7 @@ def compare(case: AttentionCase, name: str, got: np.ndarray, want: np.ndarray | 
     if got.shape != want.shape:
         raise AssertionError(f"{label}: expected shape {want.shape}, got {got.shape}\n  case: {case!r}")
     if np.isnan(want).any():
-        raise AssertionError(f"{label}: the reference itself holds NaN at "
+        raise AssertionError(f"{label}: {source} holds NaN at "
                              f"{tuple(int(i) for i in np.argwhere(np.isnan(want))[0])}\n  case: {case!r}")
     # A truth beyond the dtype's range must come back as the infinity it rounds to (an LSE
     # of -inf for a row that sees no key, an fp16 gradient past 65504); the rest finite.

@@ -36,7 +36,11 @@ def device_for(impl: Implementation) -> str | None:
 
 
 def kwargs_for(impl: Implementation, case) -> dict:
-    kw = {"causal": impl.causal_arg(case.causal), "scale": case.scale}
+    kw = {"causal": impl.causal_arg(case.causal)}
+    if impl.scale_arg:
+        kw["scale"] = case.scale
+    elif case.scale is not None:
+        raise ValueError(f"{impl.name} declares scale_arg=False, so it cannot run scale={case.scale!r}")
     if impl.blocks is not None:
         kw.update(block_q=case.block_q, block_k=case.block_k)
     return kw
@@ -68,7 +72,9 @@ def run(impl: Implementation, case, q, k, v, do=None, *, device=None) -> Result:
     import torch
 
     dt = getattr(torch, case.dtype)
-    qt, kt, vt = (torch.from_numpy(x).to(device=device, dtype=dt).requires_grad_(do is not None)
+    # torch.tensor copies: a tensor sharing the caller's buffer (from_numpy of float64 on CPU)
+    # would hide an in-place write from the comparison with the inputs afterwards.
+    qt, kt, vt = (torch.tensor(x).to(device=device, dtype=dt).requires_grad_(do is not None)
                   for x in (q, k, v))
     o, lse = _split(impl, impl.fn(qt, kt, vt, **kw), impl.name)
     res = Result(_np(o), None if lse is None else _np(lse), dtype=str(o.dtype).removeprefix("torch."),

@@ -47,18 +47,25 @@ except ImportError as exc:  # torch < 2.3: no per-backend selection, so nothing 
 ALL_DTYPES = ("float64", "float32", "float16", "bfloat16")
 
 
-def runs(backend, device="cpu", dtype=torch.float32, gqa=False) -> bool:
-    """Does this backend run here (with enable_gqa, when asked)? One tiny call says it best:
-    enable_gqa arrived in torch 2.5 and reached the fused backends later; kernels need a GPU arch."""
+def probe(backend, device="cpu", dtype=torch.float32, gqa=False) -> str | None:
+    """Why this backend does not run here (with enable_gqa, when asked), or None when it does.
+    One tiny call says it best: enable_gqa arrived in torch 2.5 and reached the fused backends
+    later; kernels need a GPU arch."""
     try:
         q = torch.zeros(1, 2, 4, 8, device=device, dtype=dtype)
         kv = q[:, :1].contiguous() if gqa else q
-        with warnings.catch_warnings(), sdpa_kernel(backend):
-            warnings.simplefilter("ignore")  # a refusing backend explains itself in warnings
+        with warnings.catch_warnings(record=True) as said, sdpa_kernel(backend):
+            warnings.simplefilter("always")  # a refusing backend explains itself in warnings
             F.scaled_dot_product_attention(q, kv, kv, **({"enable_gqa": True} if gqa else {}))
-        return True
-    except (TypeError, RuntimeError):
-        return False
+        return None
+    except (TypeError, RuntimeError) as exc:
+        why = "; ".join(str(w.message).strip().splitlines()[0] for w in said if str(w.message).strip())
+        first = (str(exc).strip().splitlines() or [""])[0]
+        return f"{type(exc).__name__}: {first}" + (f" ({why})" if why else "")
+
+
+def runs(backend, device="cpu", dtype=torch.float32, gqa=False) -> bool:
+    return probe(backend, device, dtype, gqa) is None
 
 
 HAS_GQA = runs(SDPBackend.MATH, gqa=True)
@@ -143,6 +150,7 @@ CPU_FLASH_CAUSAL_NONPOSITIVE_SCALE = KnownIssue(
     "CPU flash SDPA: causal with scale <= 0 returns NaN (the mask's -inf is multiplied by the scale)",
     applies=lambda case: case.causal is not None and case.scale is not None and case.scale <= 0,
     witness=dict(sq=1, sk=2, d=1, dv=1, causal="top_left", scale=0.0, dtype="float32"),
+    failure=r"got \S*nan",
 )
 
 # Found by this suite on an H200 (torch 2.11+cu130, 2026-11-30): the CUDA flash and cuDNN kernels
@@ -151,9 +159,19 @@ CUDA_ZERO_SCALE = KnownIssue(
     "CUDA flash / cuDNN SDPA: scale = 0.0 returns NaN, forward and gradients",
     applies=lambda case: case.scale == 0.0,
     witness=dict(sq=1, sk=1, d=1, dv=1, scale=0.0, dtype="float16"),
+    failure=r"got \S*nan",
 )
 
 _CUDA = torch.cuda.is_available()
+UNAVAILABLE: dict[str, str] = {}  # backend left out here -> why (reported as a skip by the suite)
+
+
+def _available(name, backend, device="cpu", dtype=torch.float32) -> bool:
+    why = probe(backend, device, dtype)
+    if why is not None:
+        UNAVAILABLE[name] = f"the probe call of SDPBackend.{backend.name} on {device} failed: {why}"
+    return why is None
+
 
 math_attention = _register("sdpa-math", SDPBackend.MATH, devices=("cpu", "cuda") if _CUDA else ("cpu",),
                            dtypes=ALL_DTYPES)
@@ -164,20 +182,22 @@ if _CUDA:
     def _cuda(backend):
         return {"gqa": runs(backend, "cuda", torch.float16, gqa=True)}
 
-    if runs(SDPBackend.FLASH_ATTENTION, "cuda", torch.float16):
+    if _available("sdpa-flash", SDPBackend.FLASH_ATTENTION, "cuda", torch.float16):
         flash_attention = _register("sdpa-flash", SDPBackend.FLASH_ATTENTION, devices=("cuda",),
                                     dtypes=("float16", "bfloat16"), equal_head_dims=True, square_causal=True,
                                     known_issues=[CUDA_ZERO_SCALE], **_cuda(SDPBackend.FLASH_ATTENTION))
-    if runs(SDPBackend.EFFICIENT_ATTENTION, "cuda", torch.float16):
+    if _available("sdpa-efficient", SDPBackend.EFFICIENT_ATTENTION, "cuda", torch.float16):
         efficient_attention = _register("sdpa-efficient", SDPBackend.EFFICIENT_ATTENTION, devices=("cuda",),
                                         dtypes=("float32", "float16", "bfloat16"), head_dim_multiple=8,
                                         **_cuda(SDPBackend.EFFICIENT_ATTENTION))
-    if runs(SDPBackend.CUDNN_ATTENTION, "cuda", torch.float16):
+    if _available("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION, "cuda", torch.float16):
         cudnn_attention = _register("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION, devices=("cuda",),
                                     dtypes=("float16", "bfloat16"), head_dims=(1, 128), head_dim_multiple=8,
                                     min_keys=2, known_issues=[CUDA_ZERO_SCALE], **_cuda(SDPBackend.CUDNN_ATTENTION))
-elif runs(SDPBackend.FLASH_ATTENTION):
+elif _available("sdpa-flash", SDPBackend.FLASH_ATTENTION):
     # The CPU flash kernel (aten _scaled_dot_product_flash_attention_for_cpu).
     flash_attention = _register("sdpa-flash", SDPBackend.FLASH_ATTENTION, devices=("cpu",), dtypes=ALL_DTYPES,
                                 equal_head_dims=True, known_issues=[CPU_FLASH_CAUSAL_NONPOSITIVE_SCALE],
                                 gqa=runs(SDPBackend.FLASH_ATTENTION, gqa=True))
+if not _CUDA:
+    UNAVAILABLE.update({n: "a CUDA backend; this machine has no CUDA" for n in ("sdpa-efficient", "sdpa-cudnn")})

@@ -32,3 +32,38 @@ def masked_keys(case) -> np.ndarray:
 def kv_heads(case, x):
     """Repeat a (B, Hkv, ...) array so query head h finds its kv head at index h."""
     return np.repeat(x, case.hq // case.hkv, axis=1)
+
+
+def repeat_differences(impl, case, calls: int = 2) -> list[str]:
+    """Call ``impl`` ``calls`` times on the case's input; one line per result that is not
+    bitwise identical across calls (NaN counts as equal to NaN)."""
+    run = backward if impl.has_backward else forward
+    first, lines = run(impl, case), []
+    for _ in range(calls - 1):
+        again = run(impl, case)
+        for name in RESULTS:
+            a, b = getattr(first, name), getattr(again, name)
+            if a is None or b is None:
+                continue
+            same = (a.view(np.uint64) == b.view(np.uint64)) | (np.isnan(a) & np.isnan(b))
+            if same.all():
+                continue
+            with np.errstate(invalid="ignore"):
+                gap = np.where(same, 0.0, np.nan_to_num(np.abs(a - b), nan=np.inf))
+            idx = tuple(int(i) for i in np.unravel_index(np.argmax(gap), gap.shape))
+            lines.append(f"{name}: {int((~same).sum())} of {a.size} entries differ; largest difference "
+                         f"{gap[idx]:.3e} at {idx} ({a[idx]!r} then {b[idx]!r})")
+        if lines:
+            break
+    return lines
+
+
+def nondeterminism(impl, case) -> str:
+    """What to tell a user when one input gave different verdicts (Hypothesis's FlakyFailure)."""
+    lines = repeat_differences(impl, case, calls=3)
+    head = (f"{impl.name}: the same input gave different results on repeated calls "
+            f"(a race or nondeterminism in the kernel)")
+    if lines:
+        return head + ":\n  " + "\n  ".join(lines) + f"\n  case: {case!r}"
+    return (head + "; three more calls on the case below agreed bit for bit, so it is intermittent"
+            f"\n  case: {case!r}")

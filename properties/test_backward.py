@@ -12,7 +12,7 @@ from strategies import AttentionCase as Case
 pytestmark = pytest.mark.properties
 
 
-@pytest.mark.requires("backward")
+@pytest.mark.requires("backward", "independent")
 @given(case=fs.cases())
 @example(case=Case())
 @example(case=Case(sk=2, block_k=1, dtype="float32"))  # gradients across two key tiles

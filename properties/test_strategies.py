@@ -114,9 +114,41 @@ def test_fit_is_idempotent_and_stays_within_declarations(data):
         assert case.block_q in impl.blocks and case.block_k in impl.blocks
 
 
-def test_shrinking_reaches_the_plainest_case():
-    """With a property that always fails, the shrinker must end at the minimal case."""
-    assert find(fs.cases(dtypes=fs.draw.DEFAULT_DTYPES), lambda c: True, settings=SEARCH) == Case(block_q=1, block_k=1)
+PLAIN = Case(block_q=1, block_k=1)  # what every field shrinks to when a failure does not need it
+# A failure that needs one feature must shrink to the plainest case that has it and to nothing more.
+NEEDS = {
+    "three keys": (lambda c: c.sk >= 3, PLAIN.replace(sk=3)),
+    "more queries than keys": (lambda c: c.sq > c.sk, PLAIN.replace(sq=2)),
+    "top-left causal": (lambda c: c.causal == "top_left", PLAIN.replace(causal="top_left")),
+    "GQA": (lambda c: c.hq > c.hkv, PLAIN.replace(hq=2)),
+    "Dv != D": (lambda c: c.dv != c.d, PLAIN.replace(dv=2)),
+    "a custom scale": (lambda c: c.scale is not None, PLAIN.replace(scale=0.0)),
+    "float16": (lambda c: c.dtype == "float16", PLAIN.replace(dtype="float16")),
+    "large logits": (lambda c: c.regime == "large", PLAIN.replace(regime="large")),
+    "a second batch": (lambda c: c.batch == 2, PLAIN.replace(batch=2)),
+    "a key block of at least 3": (lambda c: c.block_k >= 3, PLAIN.replace(block_k=3)),
+}
+
+
+@pytest.mark.parametrize("need", sorted(NEEDS))
+def test_shrinking_keeps_only_what_the_failure_needs(need):
+    fails, plainest = NEEDS[need]
+    assert find(fs.cases(dtypes=fs.draw.DEFAULT_DTYPES), fails, settings=SEARCH) == plainest
+
+
+def per_tile_causal_bug(case) -> bool:
+    """Does a causal mask decided per key tile (a tile is seen whole when its first key is
+    visible) differ from the per-element mask? Only where the diagonal crosses a tile."""
+    if case.causal is None:
+        return False
+    vis = case.visible()
+    first = np.arange(case.sk) // case.block_k * case.block_k  # each key's tile start
+    return bool((vis[:, first] != vis).any())
+
+
+def test_a_per_tile_bug_shrinks_to_the_smallest_tile_that_shows_it():
+    found = find(fs.cases(dtypes=fs.draw.DEFAULT_DTYPES), per_tile_causal_bug, settings=SEARCH)
+    assert (found.block_k, found.sk) == (2, 2), f"expected a tile of 2 keys over 2 keys, shrank to {found!r}"
 
 
 def test_oracle_floor_admits_an_exact_answer_when_dense_error_is_zero():
