@@ -98,7 +98,7 @@ def pytest_pyfunc_call(pyfuncitem):
             raise
         from properties import helpers as ph
 
-        raise AssertionError(ph.nondeterminism(impl, last[1])) from exc
+        raise AssertionError(ph.nondeterminism(impl, last[1], first=(exc.exceptions or [None])[0])) from exc
     finally:
         if fs_draw.PIN_REPORTS:
             pyfuncitem.warn(fs_draw.PinNotAsWritten(f"{impl.name if impl else ''}: " + "; ".join(fs_draw.PIN_REPORTS)))

@@ -51,6 +51,7 @@ def probe(backend, device="cpu", dtype=torch.float32, gqa=False) -> str | None:
     """Why this backend does not run here (with enable_gqa, when asked), or None when it does.
     One tiny call says it best: enable_gqa arrived in torch 2.5 and reached the fused backends
     later; kernels need a GPU arch."""
+    said = []
     try:
         q = torch.zeros(1, 2, 4, 8, device=device, dtype=dtype)
         kv = q[:, :1].contiguous() if gqa else q

@@ -58,12 +58,16 @@ def repeat_differences(impl, case, calls: int = 2) -> list[str]:
     return lines
 
 
-def nondeterminism(impl, case) -> str:
-    """What to tell a user when one input gave different verdicts (Hypothesis's FlakyFailure)."""
+def nondeterminism(impl, case, first: BaseException | None = None) -> str:
+    """What to tell a user when one input gave different verdicts (Hypothesis's FlakyFailure):
+    the case, the largest difference between repeated calls, and how the failing call failed."""
     lines = repeat_differences(impl, case, calls=3)
     head = (f"{impl.name}: the same input gave different results on repeated calls "
             f"(a race or nondeterminism in the kernel)")
     if lines:
-        return head + ":\n  " + "\n  ".join(lines) + f"\n  case: {case!r}"
-    return (head + "; three more calls on the case below agreed bit for bit, so it is intermittent"
-            f"\n  case: {case!r}")
+        head += ":\n  " + "\n  ".join(lines)
+    else:
+        head += "; three more calls on the case below agreed bit for bit, so it is intermittent"
+    if first is not None:
+        head += "\n  the call that failed: " + (str(first).strip().splitlines() or [type(first).__name__])[0]
+    return head + f"\n  case: {case!r}"

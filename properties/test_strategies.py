@@ -101,17 +101,34 @@ def test_inputs_are_exact_in_the_case_dtype_and_replay_bit_for_bit(case):
         assert np.isfinite(x).all(), "inputs must be finite"
 
 
+def _declared():
+    """Built-ins, the examples, and one kernel that declares every limit at once."""
+    from impls import builtins, implementation, load
+
+    narrow = implementation(name="narrow", causal="bottom_right", causal_only=True, head_dims=range(4, 33, 4),
+                            min_seq=3, max_seq=20, seq_multiple=3, gqa=False, blocks=(16, 32), masked_rows=False,
+                            scale_arg=False, supports=lambda c: c.hq <= 2 or "at most two heads",
+                            register=False)(lambda q, k, v, **_: q)
+    return [*builtins(), load("examples/sdpa_causal_only.py:attention"), load("examples/strict_plugin.py:attention"),
+            narrow.__flashcheck__]
+
+
 @given(st.data())
 def test_fit_is_idempotent_and_stays_within_declarations(data):
-    from impls import builtins
-
-    impl = data.draw(st.sampled_from(builtins()), label="impl")
+    impl = data.draw(st.sampled_from(_declared()), label="impl")
     case = fs.fit(impl, data.draw(fs.cases(), label="case"))
     assert fs.fit(impl, case) == case
     assert case.dtype in impl.dtypes
     assert case.causal is None or case.causal in impl.causal
     if isinstance(impl.blocks, tuple):
         assert case.block_q in impl.blocks and case.block_k in impl.blocks
+    assert case.causal is not None or not impl.causal_only, f"{impl.name} is causal_only, drew {case!r}"
+    assert impl.head_dim_ok(case.d) and impl.head_dim_ok(case.dv), f"{impl.name}: head dims of {case!r}"
+    for n in (case.sq, case.sk):
+        assert impl.min_seq <= n <= (impl.max_seq or n) and n % impl.seq_multiple == 0, f"{impl.name}: {case!r}"
+    assert case.sq == case.sk or not impl.equal_lengths
+    assert case.scale is None or impl.scale_arg
+    assert impl.unsupported(case) is None, f"{impl.name} does not support {case!r}"
 
 
 PLAIN = Case(block_q=1, block_k=1)  # what every field shrinks to when a failure does not need it
