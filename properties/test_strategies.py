@@ -1,7 +1,7 @@
 """The strategies can reach every region they promise, and cases replay bit for bit."""
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, assume, find, given, settings
+from hypothesis import HealthCheck, Phase, assume, find, given, settings
 from hypothesis import strategies as st
 
 import oracle as orc
@@ -153,19 +153,27 @@ def test_shrinking_keeps_only_what_the_failure_needs(need):
     assert find(fs.cases(dtypes=fs.draw.DEFAULT_DTYPES), fails, settings=SEARCH) == plainest
 
 
-def per_tile_causal_bug(case) -> bool:
-    """Does a causal mask decided per key tile (a tile is seen whole when its first key is
-    visible) differ from the per-element mask? Only where the diagonal crosses a tile."""
-    if case.causal is None:
-        return False
-    vis = case.visible()
-    first = np.arange(case.sk) // case.block_k * case.block_k  # each key's tile start
-    return bool((vis[:, first] != vis).any())
+def test_the_shrinking_check_sees_a_field_that_does_not_shrink():
+    stuck = st.builds(lambda c, b: c.replace(block_k=b), fs.cases(dtypes=fs.draw.DEFAULT_DTYPES), st.sampled_from((64, 1)))
+    fails, plainest = NEEDS["three keys"]
+    assert find(stuck, fails, settings=SEARCH) != plainest
 
 
 def test_a_per_tile_bug_shrinks_to_the_smallest_tile_that_shows_it():
-    found = find(fs.cases(dtypes=fs.draw.DEFAULT_DTYPES), per_tile_causal_bug, settings=SEARCH)
-    assert (found.block_k, found.sk) == (2, 2), f"expected a tile of 2 keys over 2 keys, shrank to {found!r}"
+    """The mutant whose causal mask is decided per key tile, through the real property, no pins:
+    a tile of 2 keys is the smallest that shows it, and that is where shrinking must end."""
+    import re
+
+    from mutants import tiled
+    from properties import test_forward
+
+    inner = test_forward.test_output_matches_dense_float64.hypothesis.inner_test
+    prop = settings(phases=[Phase.generate, Phase.shrink], database=None, derandomize=True,
+                    max_examples=25)(given(case=fs.cases())(inner))
+    with pytest.raises(AssertionError) as info:
+        prop(impl=tiled.causal_per_tile.__flashcheck__)
+    shrunk = eval(re.findall(r"case: (AttentionCase\([^)]*\))", str(info.value))[-1], {"AttentionCase": Case})
+    assert (shrunk.block_k, shrunk.sk) == (2, 2), f"expected a tile of 2 keys over 2 keys, shrank to {shrunk!r}"
 
 
 def test_oracle_floor_admits_an_exact_answer_when_dense_error_is_zero():
