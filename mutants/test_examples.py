@@ -43,11 +43,13 @@ def test_a_correct_plugin_declaring_its_limits_passes_the_whole_suite(examples, 
     mine = of(results, name)
     failed = {t: m for t, (o, m) in mine.items() if o in ("failure", "error")}
     assert not failed, f"{name} is correct but failed:\n" + "\n".join(f"{t}: {m}" for t, m in failed.items())
-    unexplained = {t: m for t, (o, m) in mine.items() if o == "skipped" and name not in m}
-    assert not unexplained, f"{name}: skips that do not say why for it: {unexplained}"
+    # every skip names the kernel and a declaration; none is the fallback for a property no case of which fit
+    unexplained = {t: m for t, (o, m) in mine.items() if o == "skipped" and (name not in m or "no case" in m)}
+    assert not unexplained, f"{name}: skips that do not say which declaration rules the property out: {unexplained}"
     ran = [t for t, (o, _) in mine.items() if o == "passed"]
     assert len(ran) >= 15, f"{name}: only {len(ran)} tests ran: {sorted(mine)}"
-    assert not re.search(r"FailedHealthCheck|Unsatisfiable", out), out[-3000:]
+    health = re.search(r".*(FailedHealthCheck|Unsatisfiable).*", out)
+    assert not health, f"a health-check error in the run of the examples: {health.group(0)}"
 
 
 def test_the_deterministic_example_is_checked_for_determinism(examples):
