@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -165,6 +166,14 @@ def implementation(*, name: str, causal="bottom_right", dtypes=("float32",), dev
                             f"between min_seq={min_seq} and max_seq={max_seq}")
     if causal_only and not alignments:
         raise ContractError(f"implementation {name!r}: causal_only=True needs a causal alignment, got causal=None")
+    for issue in known_issues:
+        if not isinstance(issue, KnownIssue):
+            raise ContractError(f"implementation {name!r}: known_issues holds {issue!r}, not a KnownIssue")
+        try:
+            re.compile(issue.failure)
+        except (re.error, TypeError) as exc:
+            raise ContractError(f"implementation {name!r}: known issue {issue.text!r}: failure must be a regex "
+                                f"of the failure message, got {issue.failure!r} ({exc})") from exc
     if supports is not None and not callable(supports):
         raise ContractError(f"implementation {name!r}: supports must be a callable case -> bool | str, "
                             f"got {supports!r}")

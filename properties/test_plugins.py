@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from impls import ContractError, builtin, builtins, implementation, load
+from impls import ContractError, KnownIssue, builtin, builtins, implementation, load
 
 pytestmark = pytest.mark.properties
 ROOT = Path(__file__).resolve().parent.parent
@@ -56,6 +56,7 @@ def test_a_bad_impl_spec_gets_an_error_naming_it(spec, words):
     (dict(min_seq=5, max_seq=7, seq_multiple=8), "no length is a multiple"),
     (dict(causal=None, causal_only=True), "causal_only"),
     (dict(supports="short ones"), "supports must be a callable"),
+    (dict(known_issues=[KnownIssue("x", lambda c: True, {}, failure="(")]), "failure must be a regex"),
 ])
 def test_a_malformed_declaration_is_refused_with_its_reason(kw, words):
     with pytest.raises(ContractError, match=words):

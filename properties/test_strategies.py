@@ -154,7 +154,8 @@ def test_shrinking_keeps_only_what_the_failure_needs(need):
 
 
 def test_the_shrinking_check_sees_a_field_that_does_not_shrink():
-    stuck = st.builds(lambda c, b: c.replace(block_k=b), fs.cases(dtypes=fs.draw.DEFAULT_DTYPES), st.sampled_from((64, 1)))
+    stuck = st.builds(lambda c, b: c.replace(block_k=b), fs.cases(dtypes=fs.draw.DEFAULT_DTYPES),
+                      st.sampled_from((64, 1)))  # 64 first: a block that cannot shrink below it
     fails, plainest = NEEDS["three keys"]
     assert find(stuck, fails, settings=SEARCH) != plainest
 
