@@ -9,6 +9,7 @@ import os
 
 import pytest
 from hypothesis import settings
+from hypothesis.errors import FailedHealthCheck, FlakyFailure, Unsatisfiable
 
 from impls.call import cuda_available
 
@@ -24,20 +25,7 @@ from strategies import AttentionCase  # noqa: E402
 from strategies.case import CASE_PATTERN  # noqa: E402
 from strategies import draw as fs_draw  # noqa: E402
 from impls.call import device_for  # noqa: E402
-
-CAPABILITIES = {
-    "lse": lambda i: i.lse,
-    "backward": lambda i: i.has_backward,
-    "blocks": lambda i: i.blocks is not None,
-    "masked_rows": lambda i: i.masked_rows and "bottom_right" in i.causal,
-    "masked": lambda i: (i.masked_rows and "bottom_right" in i.causal) or "top_left" in i.causal,
-    "causal": lambda i: bool(i.causal),
-    "float64": lambda i: "float64" in i.dtypes,
-    # the feature matrix (issue 10)
-    **{f: (lambda f: lambda i: getattr(i, f))(f) for f in ("window", "softcap", "alibi", "sinks", "dropout")},
-    "features": lambda i: i.window or i.softcap or i.alibi or i.sinks,
-    "dropout_mask": lambda i: i.dropout_mask is not None,
-}
+from impls import capabilities  # noqa: E402
 
 
 def pytest_addoption(parser):
@@ -68,9 +56,7 @@ def _marks(impl, needs):
         marks.append(pytest.mark.gpu)
     if device_for(impl) is None:
         marks.append(pytest.mark.skip(reason=f"{impl.name} runs on {', '.join(impl.devices)}; none here"))
-    for need in needs:
-        if not CAPABILITIES[need](impl):
-            marks.append(pytest.mark.skip(reason=f"{impl.name} does not declare {need}"))
+    marks += [pytest.mark.skip(reason=why) for why in capabilities.missing(impl, needs)]
     return marks
 
 
@@ -83,12 +69,39 @@ def pytest_generate_tests(metafunc):
 
 
 def pytest_collection_modifyitems(config, items):
+    # Numeric verdicts first: a kernel without input validation must not stop an -x run
+    # before any property about its numbers has run.
+    items.sort(key=lambda item: item.get_closest_marker("input_validation") is not None)
     if cuda_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA, which this machine lacks")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_pyfunc_call(pyfuncitem):
+    """Say what Hypothesis's own errors mean for a kernel, and report @example pins not run as written."""
+    impl = getattr(getattr(pyfuncitem, "callspec", None), "params", {}).get("impl")
+    try:
+        return (yield)
+    except (FailedHealthCheck, Unsatisfiable) as exc:
+        if impl is None or not (isinstance(exc, Unsatisfiable) or "filter_too_much" in str(exc)):
+            raise
+        # Every case drawn for this property fell outside what the implementation declares.
+        pytest.skip(f"{impl.name}: no case this property draws fits its declarations ({capabilities.declared(impl)})"
+                    + (f"; last refusal: {fs_draw.LAST_REFUSAL[0]}" if fs_draw.LAST_REFUSAL[0] else ""))
+    except FlakyFailure as exc:
+        last = fs_draw.LAST_FITTED[0]
+        if impl is None or last is None:
+            raise
+        from properties import helpers as ph
+
+        raise AssertionError(ph.nondeterminism(impl, last[1], first=(exc.exceptions or [None])[0])) from exc
+    finally:
+        if fs_draw.PIN_REPORTS:
+            pyfuncitem.warn(fs_draw.PinNotAsWritten(f"{impl.name if impl else ''}: " + "; ".join(fs_draw.PIN_REPORTS)))
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -116,4 +129,7 @@ def pytest_runtest_makereport(item, call):
 
 
 def pytest_runtest_setup(item):
-    fs_draw.LAST_FITTED[0] = None
+    fs_draw.LAST_FITTED[0] = fs_draw.LAST_REFUSAL[0] = None
+    pins = getattr(getattr(item, "function", None), "hypothesis_explicit_examples", ())
+    fs_draw.PINS[0] = frozenset(v for pin in pins for v in pin.kwargs.values() if isinstance(v, AttentionCase))
+    fs_draw.PIN_REPORTS.clear()

@@ -303,6 +303,7 @@ def compare(case: AttentionCase, name: str, got: np.ndarray, want: np.ndarray | 
     comparisons between two runs of one kernel.
     """
     against_truth = want is None
+    source = "the float64 reference itself" if want is None else "the implementation's own result it is compared with"
     want = truth(case)[name] if want is None else want
     tol, model_err = allowed(case, name)
     tol = tol if budget is None else budget
@@ -310,7 +311,7 @@ def compare(case: AttentionCase, name: str, got: np.ndarray, want: np.ndarray | 
     if got.shape != want.shape:
         raise AssertionError(f"{label}: expected shape {want.shape}, got {got.shape}\n  case: {case!r}")
     if np.isnan(want).any():
-        raise AssertionError(f"{label}: the reference itself holds NaN at "
+        raise AssertionError(f"{label}: {source} holds NaN at "
                              f"{tuple(int(i) for i in np.argwhere(np.isnan(want))[0])}\n  case: {case!r}")
     # A truth beyond the dtype's range must come back as the infinity it rounds to (an LSE
     # of -inf for a row that sees no key, an fp16 gradient past 65504); the rest finite.

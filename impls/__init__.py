@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +37,7 @@ class KnownIssue:
     text: str
     applies: Callable  # AttentionCase -> bool
     witness: dict
+    failure: str  # a regex the witness's failure message must match, e.g. "got nan"
 
 
 @dataclass(frozen=True, repr=False)
@@ -52,7 +54,7 @@ class Implementation:
     lse: bool = False
     framework: str = "torch"
     blocks: tuple[int, ...] | str | None = None  # None, "any" (every int >= 1) or allowed sizes
-    head_dims: tuple[int, int] = (1, 256)  # inclusive range of D and Dv
+    head_dims: tuple[int, int] | frozenset[int] = (1, 256)  # inclusive range (lo, hi), or the allowed sizes
     equal_head_dims: bool = False  # only Dv == D
     seq_multiple: int = 1  # Sq and Sk must be multiples of this
     max_seq: int | None = None
@@ -70,6 +72,12 @@ class Implementation:
     sinks: bool = False
     dropout: bool = False
     dropout_mask: Callable | None = None  # (q, k, v, p, seed) -> bool (B, Hq, Sq, Sk), True = kept
+    # What real kernels needed to say about themselves (README, "Testing your own kernel"):
+    causal_only: bool = False  # no non-causal mode: every case is drawn causal
+    min_seq: int = 1  # Sq and Sk are at least this
+    supports: Callable | None = None  # case -> True, or False / a reason string when it cannot run it
+    scale_arg: bool = True  # False: the function takes no scale= and always uses 1/sqrt(D)
+    deterministic: bool = False  # repeated calls on one input are bitwise identical (checked)
 
     def __repr__(self):
         return f"<implementation {self.name}>"
@@ -87,6 +95,28 @@ class Implementation:
     def has_backward(self) -> bool:
         return bool(self.backward)
 
+    def head_dim_ok(self, d: int) -> bool:
+        if isinstance(self.head_dims, frozenset):
+            return d in self.head_dims
+        lo, hi = self.head_dims
+        return lo <= d <= hi
+
+    def nearest_head_dim(self, d: int) -> int:
+        """The allowed head dim closest to ``d`` (the smaller on a tie)."""
+        if isinstance(self.head_dims, frozenset):
+            return min(self.head_dims, key=lambda a: (abs(a - d), a))
+        lo, hi = self.head_dims
+        return min(max(d, lo), hi)
+
+    def unsupported(self, case) -> str | None:
+        """Why ``supports`` refuses ``case``, or None when it runs it (or declares no ``supports``)."""
+        if self.supports is None:
+            return None
+        verdict = self.supports(case)
+        if isinstance(verdict, str):
+            return verdict or f"{self.name}: supports() refuses this case"
+        return None if verdict else f"{self.name}: supports() returned {verdict!r} for this case"
+
 
 def _as_tuple(value, what: str, allowed: tuple[str, ...], name: str) -> tuple[str, ...]:
     values = (value,) if isinstance(value, str) else tuple(value)
@@ -96,12 +126,30 @@ def _as_tuple(value, what: str, allowed: tuple[str, ...], name: str) -> tuple[st
     return values
 
 
+def _head_dims(value, name: str):
+    """(lo, hi) stays an inclusive range; a range() or a set of sizes becomes the set it holds."""
+    if isinstance(value, range) and value.step == 1 and len(value):
+        value = (value.start, value.stop - 1)
+    elif isinstance(value, (range, set, frozenset, list)):
+        value = frozenset(value)
+    if isinstance(value, frozenset):
+        if value and all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in value):
+            return value
+    elif isinstance(value, tuple) and len(value) == 2 and all(isinstance(d, int) for d in value):
+        if 1 <= value[0] <= value[1]:
+            return value
+    raise ContractError(f"implementation {name!r}: head_dims must be (lo, hi) with 1 <= lo <= hi, a range, "
+                        f"or a set of sizes >= 1, got {value!r}")
+
+
 def implementation(*, name: str, causal="bottom_right", dtypes=("float32",), devices=("cpu",),
                    backward=False, gqa=True, lse=False, framework="torch", blocks=None,
                    head_dims=(1, 256), equal_head_dims=False, seq_multiple=1, max_seq=None, equal_lengths=False,
-                   masked_rows=True, tags=(), known_issues=(), precision="fused", register=True,
+                   masked_rows=True, tags=(), known_issues=(), precision="fused",
+                   causal_only=False, min_seq=1, supports=None, scale_arg=True, deterministic=False,
                    # the feature matrix (issue 10): see Implementation
-                   window=False, softcap=False, alibi=False, sinks=False, dropout=False, dropout_mask=None):
+                   window=False, softcap=False, alibi=False, sinks=False, dropout=False, dropout_mask=None,
+                   register=True):
     """Declare an attention function to the suite. See README, "Testing your own kernel"."""
     if not isinstance(name, str) or not name:
         raise ContractError(f"implementation name must be a non-empty string, got {name!r}")
@@ -122,12 +170,27 @@ def implementation(*, name: str, causal="bottom_right", dtypes=("float32",), dev
     if not (sizes_ok or blocks in (None, "any")):
         raise ContractError(f"implementation {name!r}: blocks must be None, 'any' or a tuple of ints >= 1, "
                             f"got {blocks!r}")
-    lo, hi = head_dims
-    if not 1 <= lo <= hi:
-        raise ContractError(f"implementation {name!r}: head_dims must be (lo, hi) with 1 <= lo <= hi, "
-                            f"got {head_dims!r}")
+    head_dims = _head_dims(head_dims, name)
     if not isinstance(seq_multiple, int) or seq_multiple < 1:
         raise ContractError(f"implementation {name!r}: seq_multiple must be an int >= 1, got {seq_multiple!r}")
+    if not isinstance(min_seq, int) or isinstance(min_seq, bool) or min_seq < 1 or min_seq > (max_seq or min_seq):
+        raise ContractError(f"implementation {name!r}: min_seq must be an int >= 1 and <= max_seq, got {min_seq!r}")
+    if max_seq is not None and max_seq // seq_multiple * seq_multiple < max(min_seq, seq_multiple):
+        raise ContractError(f"implementation {name!r}: no length is a multiple of seq_multiple={seq_multiple} "
+                            f"between min_seq={min_seq} and max_seq={max_seq}")
+    if causal_only and not alignments:
+        raise ContractError(f"implementation {name!r}: causal_only=True needs a causal alignment, got causal=None")
+    for issue in known_issues:
+        if not isinstance(issue, KnownIssue):
+            raise ContractError(f"implementation {name!r}: known_issues holds {issue!r}, not a KnownIssue")
+        try:
+            re.compile(issue.failure)
+        except (re.error, TypeError) as exc:
+            raise ContractError(f"implementation {name!r}: known issue {issue.text!r}: failure must be a regex "
+                                f"of the failure message, got {issue.failure!r} ({exc})") from exc
+    if supports is not None and not callable(supports):
+        raise ContractError(f"implementation {name!r}: supports must be a callable case -> bool | str, "
+                            f"got {supports!r}")
 
     if precision not in PRECISIONS:
         raise ContractError(f"implementation {name!r}: precision must be one of {PRECISIONS}, got {precision!r}")
@@ -144,11 +207,13 @@ def implementation(*, name: str, causal="bottom_right", dtypes=("float32",), dev
             raise ContractError(f"implementation {name!r}: decorated object is not callable")
         record = Implementation(name=name, fn=fn, causal=alignments, dtypes=dtypes, devices=devices,
                                 backward=backward, gqa=gqa, lse=lse, framework=framework, blocks=blocks,
-                                head_dims=(lo, hi), equal_head_dims=equal_head_dims,
+                                head_dims=head_dims, equal_head_dims=equal_head_dims,
                                 seq_multiple=seq_multiple, max_seq=max_seq,
                                 equal_lengths=equal_lengths, masked_rows=masked_rows, tags=tuple(tags),
-                                known_issues=tuple(known_issues), precision=precision, dropout_mask=dropout_mask,
-                                **features)
+                                known_issues=tuple(known_issues), precision=precision,
+                                causal_only=bool(causal_only), min_seq=min_seq, supports=supports,
+                                scale_arg=bool(scale_arg), deterministic=bool(deterministic),
+                                dropout_mask=dropout_mask, **features)
         fn.__flashcheck__ = record
         if register:
             REGISTRY[name] = record

@@ -1,20 +1,33 @@
 """Imports every built-in implementation that can load here; each module registers itself.
 
-A module whose framework is missing (no torch, no triton) is left out rather than
-failing collection: the suite then runs what this machine can run.
+A module whose import fails (no torch, no triton, or a bug of ours) is left out rather
+than failing collection, and so is an SDPA backend whose probe call fails; each one left
+out is recorded in UNAVAILABLE with the error, and the suite reports it as a skip
+(properties/test_plugins.py), so nothing vanishes without a line saying why.
 """
 import importlib
 
-NAMES = []
-for module, names in (
+MODULES = (
     ("impls.numpy_ref", ["numpy-dense", "numpy-tiled"]),
     ("impls.torch_tiled", ["torch-tiled"]),
     ("impls.triton_fused", ["triton-fused"]),
     ("impls.sdpa", ["sdpa-math", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn"]),
     ("impls.flex", ["flex"]),
-):
-    try:
-        importlib.import_module(module)
-    except ImportError:
-        continue
-    NAMES.extend(names)
+)
+
+
+def load_modules(modules=MODULES):
+    """Import each module; return (names that may have registered, {name: why it is unavailable})."""
+    names, unavailable = [], {}
+    for module, provides in modules:
+        try:
+            loaded = importlib.import_module(module)
+        except ImportError as exc:
+            unavailable.update({n: f"importing {module} failed: {type(exc).__name__}: {exc}" for n in provides})
+            continue
+        names.extend(provides)
+        unavailable.update(getattr(loaded, "UNAVAILABLE", {}))  # e.g. an SDPA backend whose probe failed
+    return names, unavailable
+
+
+NAMES, UNAVAILABLE = load_modules()

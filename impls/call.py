@@ -40,7 +40,11 @@ def kwargs_for(impl: Implementation, case, tensor=np.asarray) -> dict:
     """The keyword arguments of one call; ``tensor`` turns the float32 feature arrays into the
     implementation's framework. A declared feature is always passed, with its "off" value
     when the case leaves it off, as flash_attn_func's defaults are."""
-    kw = {"causal": impl.causal_arg(case.causal), "scale": case.scale}
+    kw = {"causal": impl.causal_arg(case.causal)}
+    if impl.scale_arg:
+        kw["scale"] = case.scale
+    elif case.scale is not None:
+        raise ValueError(f"{impl.name} declares scale_arg=False, so it cannot run scale={case.scale!r}")
     if impl.blocks is not None:
         kw.update(block_q=case.block_q, block_k=case.block_k)
     if impl.window:
@@ -86,7 +90,9 @@ def run(impl: Implementation, case, q, k, v, do=None, *, device=None) -> Result:
     import torch
 
     dt = getattr(torch, case.dtype)
-    qt, kt, vt = (torch.from_numpy(x).to(device=device, dtype=dt).requires_grad_(do is not None)
+    # torch.tensor copies: a tensor sharing the caller's buffer (from_numpy of float64 on CPU)
+    # would hide an in-place write from the comparison with the inputs afterwards.
+    qt, kt, vt = (torch.tensor(x).to(device=device, dtype=dt).requires_grad_(do is not None)
                   for x in (q, k, v))
     kw = kwargs_for(impl, case, tensor=lambda a: torch.from_numpy(a).to(device))
     sinks = kw.get("sinks")

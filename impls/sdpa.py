@@ -52,18 +52,26 @@ except ImportError as exc:  # torch < 2.3: no per-backend selection, so nothing 
 ALL_DTYPES = ("float64", "float32", "float16", "bfloat16")
 
 
-def runs(backend, device="cpu", dtype=torch.float32, gqa=False) -> bool:
-    """Does this backend run here (with enable_gqa, when asked)? One tiny call says it best:
-    enable_gqa arrived in torch 2.5 and reached the fused backends later; kernels need a GPU arch."""
+def probe(backend, device="cpu", dtype=torch.float32, gqa=False) -> str | None:
+    """Why this backend does not run here (with enable_gqa, when asked), or None when it does.
+    One tiny call says it best: enable_gqa arrived in torch 2.5 and reached the fused backends
+    later; kernels need a GPU arch."""
+    said = []
     try:
         q = torch.zeros(1, 2, 4, 8, device=device, dtype=dtype)
         kv = q[:, :1].contiguous() if gqa else q
-        with warnings.catch_warnings(), sdpa_kernel(backend):
-            warnings.simplefilter("ignore")  # a refusing backend explains itself in warnings
+        with warnings.catch_warnings(record=True) as said, sdpa_kernel(backend):
+            warnings.simplefilter("always")  # a refusing backend explains itself in warnings
             F.scaled_dot_product_attention(q, kv, kv, **({"enable_gqa": True} if gqa else {}))
-        return True
-    except (TypeError, RuntimeError):
-        return False
+        return None
+    except (TypeError, RuntimeError) as exc:
+        why = "; ".join(str(w.message).strip().splitlines()[0] for w in said if str(w.message).strip())
+        first = (str(exc).strip().splitlines() or [""])[0]
+        return f"{type(exc).__name__}: {first}" + (f" ({why})" if why else "")
+
+
+def runs(backend, device="cpu", dtype=torch.float32, gqa=False) -> bool:
+    return probe(backend, device, dtype, gqa) is None
 
 
 HAS_GQA = runs(SDPBackend.MATH, gqa=True)
@@ -181,6 +189,7 @@ CPU_FLASH_CAUSAL_NONPOSITIVE_SCALE = KnownIssue(
     "CPU flash SDPA: causal with scale <= 0 returns NaN (the mask's -inf is multiplied by the scale)",
     applies=lambda case: case.causal is not None and case.scale is not None and case.scale <= 0,
     witness=dict(sq=1, sk=2, d=1, dv=1, causal="top_left", scale=0.0, dtype="float32"),
+    failure=r"got \S*nan",
 )
 
 # Found by this suite on an H200 (torch 2.11+cu130, 2026-11-30): the CUDA flash and cuDNN kernels
@@ -189,9 +198,19 @@ CUDA_ZERO_SCALE = KnownIssue(
     "CUDA flash / cuDNN SDPA: scale = 0.0 returns NaN, forward and gradients",
     applies=lambda case: case.scale == 0.0,
     witness=dict(sq=1, sk=1, d=1, dv=1, scale=0.0, dtype="float16"),
+    failure=r"got \S*nan",
 )
 
 _CUDA = torch.cuda.is_available()
+UNAVAILABLE: dict[str, str] = {}  # backend left out here -> why (reported as a skip by the suite)
+
+
+def _available(name, backend, device="cpu", dtype=torch.float32) -> bool:
+    why = probe(backend, device, dtype)
+    if why is not None:
+        UNAVAILABLE[name] = f"the probe call of SDPBackend.{backend.name} on {device} failed: {why}"
+    return why is None
+
 
 # On CUDA the math backend rounds S = q k^T to fp16/bf16 before the softmax: plain dense
 # attention in the input type, held to the naive rule. On the CPU it computes in float32.
@@ -204,22 +223,22 @@ if _CUDA:
     def _cuda(backend):
         return {"gqa": runs(backend, "cuda", torch.float16, gqa=True)}
 
-    if runs(SDPBackend.FLASH_ATTENTION, "cuda", torch.float16):
+    if _available("sdpa-flash", SDPBackend.FLASH_ATTENTION, "cuda", torch.float16):
         flash_attention = _register("sdpa-flash", SDPBackend.FLASH_ATTENTION, devices=("cuda",),
                                     dtypes=("float16", "bfloat16"), equal_head_dims=True, square_causal=True,
                                     known_issues=[CUDA_ZERO_SCALE], **_cuda(SDPBackend.FLASH_ATTENTION))
-    if runs(SDPBackend.EFFICIENT_ATTENTION, "cuda", torch.float16):
+    if _available("sdpa-efficient", SDPBackend.EFFICIENT_ATTENTION, "cuda", torch.float16):
         # Its fp16 backward carried 3.1x the fused bound on a dK entry (heavy-tailed values, H200,
         # torch 2.11): it is held to the naive rule.
         efficient_attention = _register("sdpa-efficient", SDPBackend.EFFICIENT_ATTENTION, devices=("cuda",),
                                         dtypes=("float32", "float16", "bfloat16"), head_dim_multiple=8,
                                         precision="naive",
                                         **_cuda(SDPBackend.EFFICIENT_ATTENTION))  # pads D: no attn_mask path
-    if runs(SDPBackend.CUDNN_ATTENTION, "cuda", torch.float16):
+    if _available("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION, "cuda", torch.float16):
         cudnn_attention = _register("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION, devices=("cuda",),
                                     dtypes=("float16", "bfloat16"), head_dims=(1, 128), head_dim_multiple=8,
                                     min_keys=2, known_issues=[CUDA_ZERO_SCALE], **_cuda(SDPBackend.CUDNN_ATTENTION))
-elif runs(SDPBackend.FLASH_ATTENTION):
+elif _available("sdpa-flash", SDPBackend.FLASH_ATTENTION):
     # The CPU flash kernel (aten _scaled_dot_product_flash_attention_for_cpu).
     # Its fp16/bf16 backward carries about 3x a fused kernel's rounding in dK and dV (largest error
     # 1.0-2.2x the fused bound at Sq = Sk = 128-2048, where torch-tiled stays at 0.35x): it is held
@@ -228,3 +247,5 @@ elif runs(SDPBackend.FLASH_ATTENTION):
                                 equal_head_dims=True, known_issues=[CPU_FLASH_CAUSAL_NONPOSITIVE_SCALE],
                                 precision="naive",
                                 gqa=runs(SDPBackend.FLASH_ATTENTION, gqa=True), masks=True)
+if not _CUDA:
+    UNAVAILABLE.update({n: "a CUDA backend; this machine has no CUDA" for n in ("sdpa-efficient", "sdpa-cudnn")})

@@ -10,6 +10,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from xml.etree import ElementTree
 
 from strategies.case import CASE_PATTERN
 
@@ -57,6 +58,30 @@ def run_suite(spec: str, pins: bool = True, timeout: float = 600, files=FILES) -
     cases = re.findall(f"case: ({CASE_PATTERN.pattern})", out)
     return Verdict(spec, proc.returncode == 1, seconds, failed.group(1) if failed else "",
                    cases[-1] if cases else "", out)
+
+
+def outcomes(specs, files, *args, pins: bool = True, timeout: float = 600) -> tuple[dict, str]:
+    """Run ``pytest -m properties`` on ``files`` for every spec at once (one process, the ci
+    profile) and return ({test id: (outcome, message)}, the whole output)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {**os.environ, "CI": "true", "FLASHCHECK_PROFILE": "ci", "FLASHCHECK_REPRO_DIR": tmp}
+        for name in ("FLASHCHECK_IMPL", "FLASHCHECK_SKIP_EXAMPLES"):
+            env.pop(name, None)
+        if not pins:
+            env["FLASHCHECK_SKIP_EXAMPLES"] = "1"
+        xml = Path(tmp) / "junit.xml"
+        cmd = [sys.executable, "-m", "pytest", "-m", "properties", "-q", "-rs", "-p", "no:cacheprovider",
+               "-p", "no:randomly", f"--junitxml={xml}", *(a for s in specs for a in ("--impl", s)), *args, *files]
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        out = proc.stdout + proc.stderr
+        if proc.returncode not in (0, 1) or not xml.exists():
+            raise RuntimeError(f"pytest could not run {specs} (exit {proc.returncode}):\n{out[-3000:]}")
+        results = {}
+        for case in ElementTree.parse(xml).iter("testcase"):
+            test = f"{case.get('classname')}::{case.get('name')}"
+            verdict = next((c for c in case if c.tag in ("failure", "error", "skipped")), None)
+            results[test] = ("passed", "") if verdict is None else (verdict.tag, verdict.get("message", ""))
+    return results, out
 
 
 def parse(case_repr: str):

@@ -12,7 +12,7 @@ from strategies import AttentionCase as Case
 pytestmark = pytest.mark.properties
 
 
-@pytest.mark.requires("backward")
+@pytest.mark.requires("backward", "independent")
 @given(case=fs.cases())
 @ph.every_dtype_and_regime(long=True)
 @example(case=Case())

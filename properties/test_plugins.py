@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from impls import ContractError, implementation, load
+from impls import ContractError, KnownIssue, builtin, builtins, implementation, load
 
 pytestmark = pytest.mark.properties
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,6 +49,14 @@ def test_a_bad_impl_spec_gets_an_error_naming_it(spec, words):
     (dict(head_dims=(0, 8)), "head_dims"),
     (dict(seq_multiple=0), "seq_multiple"),
     (dict(name=""), "non-empty"),
+    (dict(head_dims={0, 16}), "head_dims"),
+    (dict(head_dims=range(0)), "head_dims"),
+    (dict(min_seq=0), "min_seq"),
+    (dict(min_seq=20, max_seq=16), "min_seq"),
+    (dict(min_seq=5, max_seq=7, seq_multiple=8), "no length is a multiple"),
+    (dict(causal=None, causal_only=True), "causal_only"),
+    (dict(supports="short ones"), "supports must be a callable"),
+    (dict(known_issues=[KnownIssue("x", lambda c: True, {}, failure="(")]), "failure must be a regex"),
 ])
 def test_a_malformed_declaration_is_refused_with_its_reason(kw, words):
     with pytest.raises(ContractError, match=words):
@@ -76,3 +84,63 @@ def test_repeated_impl_and_the_environment_select_the_same_implementations():
 def test_a_bad_impl_stops_pytest_with_one_clear_line():
     run = _pytest("-m", "properties", "--collect-only", "--impl", "nowhere.py:f")
     assert run.returncode != 0 and "no such file" in run.stderr, run.stderr[-2000:]
+
+
+def test_head_dims_may_be_a_range_a_stepped_range_or_a_set():
+    declare = lambda hd: implementation(name="x", head_dims=hd, register=False)(lambda q, k, v, **_: q).__flashcheck__
+    assert declare((16, 64)).head_dims == (16, 64) and declare(range(16, 65)).head_dims == (16, 64)
+    stepped, chosen = declare(range(8, 33, 8)), declare({16, 32, 64, 128, 256})
+    assert stepped.head_dims == frozenset({8, 16, 24, 32}) and stepped.nearest_head_dim(13) == 16
+    assert chosen.head_dim_ok(128) and not chosen.head_dim_ok(100) and chosen.nearest_head_dim(1) == 16
+
+
+def test_a_kernel_without_a_scale_argument_is_called_without_one():
+    from properties import helpers as ph
+    from strategies import AttentionCase, fit
+
+    @implementation(name="no-scale", dtypes=("float64",), scale_arg=False, register=False)
+    def no_scale(q, k, v, *, causal=False):
+        return numpy_free_dense(q, k, v)
+
+    case = fit(no_scale.__flashcheck__, AttentionCase(sq=2, sk=3, d=4, dv=4, scale=0.5))
+    assert case.scale is None, "a kernel that takes no scale is only drawn the default one"
+    assert ph.forward(no_scale.__flashcheck__, case).o.shape == (1, 1, 2, 4)
+
+
+def numpy_free_dense(q, k, v):
+    import torch
+
+    return torch.softmax(q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5, -1) @ v
+
+
+ALL_BUILTINS = [n for _, names in builtin.MODULES for n in names]
+
+
+@pytest.mark.parametrize("name", ALL_BUILTINS)
+def test_each_builtin_implementation_loads_here_or_says_why(name):
+    if name in builtin.UNAVAILABLE:
+        pytest.skip(f"{name} is unavailable here: {builtin.UNAVAILABLE[name]}")
+    assert name in {i.name for i in builtins()}, f"{name} neither loaded nor said why"
+
+
+def test_a_builtin_module_that_fails_to_import_is_reported_with_its_error():
+    names, unavailable = builtin.load_modules([("impls.numpy_ref", ["numpy-dense"]),
+                                               ("impls.no_such_module_here", ["ghost-a", "ghost-b"])])
+    assert names == ["numpy-dense"]
+    assert set(unavailable) == {"ghost-a", "ghost-b"}
+    assert "ModuleNotFoundError" in unavailable["ghost-a"] and "no_such_module_here" in unavailable["ghost-a"]
+
+
+def test_a_failed_sdpa_probe_says_why():
+    sdpa = pytest.importorskip("impls.sdpa")
+    from torch.nn.attention import SDPBackend
+
+    assert sdpa.probe(SDPBackend.MATH) is None
+    why = sdpa.probe(SDPBackend.EFFICIENT_ATTENTION, device="cpu")  # a CUDA kernel, asked on the CPU
+    assert why and why.startswith("RuntimeError: "), why
+
+
+def test_input_validation_has_its_own_marker():
+    run = _pytest("-q", "--collect-only", "-m", "input_validation", "--impl", "numpy-dense", "properties/")
+    collected = [line for line in run.stdout.splitlines() if "::" in line]
+    assert collected and all("test_bad_input.py" in line for line in collected), run.stdout[-2000:]

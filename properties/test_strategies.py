@@ -1,7 +1,7 @@
 """The strategies can reach every region they promise, and cases replay bit for bit."""
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, assume, find, given, settings
+from hypothesis import HealthCheck, Phase, assume, find, given, settings
 from hypothesis import strategies as st
 
 import oracle as orc
@@ -101,22 +101,80 @@ def test_inputs_are_exact_in_the_case_dtype_and_replay_bit_for_bit(case):
         assert np.isfinite(x).all(), "inputs must be finite"
 
 
+def _declared():
+    """Built-ins, the examples, and one kernel that declares every limit at once."""
+    from impls import builtins, implementation, load
+
+    narrow = implementation(name="narrow", causal="bottom_right", causal_only=True, head_dims=range(4, 33, 4),
+                            min_seq=3, max_seq=20, seq_multiple=3, gqa=False, blocks=(16, 32), masked_rows=False,
+                            scale_arg=False, supports=lambda c: c.hq <= 2 or "at most two heads",
+                            register=False)(lambda q, k, v, **_: q)
+    return [*builtins(), load("examples/sdpa_causal_only.py:attention"), load("examples/strict_plugin.py:attention"),
+            narrow.__flashcheck__]
+
+
 @given(st.data())
 def test_fit_is_idempotent_and_stays_within_declarations(data):
-    from impls import builtins
-
-    impl = data.draw(st.sampled_from(builtins()), label="impl")
+    impl = data.draw(st.sampled_from(_declared()), label="impl")
     case = fs.fit(impl, data.draw(fs.cases(), label="case"))
     assert fs.fit(impl, case) == case
     assert case.dtype in impl.dtypes
     assert case.causal is None or case.causal in impl.causal
     if isinstance(impl.blocks, tuple):
         assert case.block_q in impl.blocks and case.block_k in impl.blocks
+    assert case.causal is not None or not impl.causal_only, f"{impl.name} is causal_only, drew {case!r}"
+    assert impl.head_dim_ok(case.d) and impl.head_dim_ok(case.dv), f"{impl.name}: head dims of {case!r}"
+    for n in (case.sq, case.sk):
+        assert impl.min_seq <= n <= (impl.max_seq or n) and n % impl.seq_multiple == 0, f"{impl.name}: {case!r}"
+    assert case.sq == case.sk or not impl.equal_lengths
+    assert case.scale is None or impl.scale_arg
+    assert impl.unsupported(case) is None, f"{impl.name} does not support {case!r}"
 
 
-def test_shrinking_reaches_the_plainest_case():
-    """With a property that always fails, the shrinker must end at the minimal case."""
-    assert find(fs.cases(dtypes=fs.draw.DEFAULT_DTYPES), lambda c: True, settings=SEARCH) == Case(block_q=1, block_k=1)
+PLAIN = Case(block_q=1, block_k=1)  # what every field shrinks to when a failure does not need it
+# A failure that needs one feature must shrink to the plainest case that has it and to nothing more.
+NEEDS = {
+    "three keys": (lambda c: c.sk >= 3, PLAIN.replace(sk=3)),
+    "more queries than keys": (lambda c: c.sq > c.sk, PLAIN.replace(sq=2)),
+    "top-left causal": (lambda c: c.causal == "top_left", PLAIN.replace(causal="top_left")),
+    "GQA": (lambda c: c.hq > c.hkv, PLAIN.replace(hq=2)),
+    "Dv != D": (lambda c: c.dv != c.d, PLAIN.replace(dv=2)),
+    "a custom scale": (lambda c: c.scale is not None, PLAIN.replace(scale=0.0)),
+    "float16": (lambda c: c.dtype == "float16", PLAIN.replace(dtype="float16")),
+    "large logits": (lambda c: c.regime == "large", PLAIN.replace(regime="large")),
+    "a second batch": (lambda c: c.batch == 2, PLAIN.replace(batch=2)),
+    "a key block of at least 3": (lambda c: c.block_k >= 3, PLAIN.replace(block_k=3)),
+}
+
+
+@pytest.mark.parametrize("need", sorted(NEEDS))
+def test_shrinking_keeps_only_what_the_failure_needs(need):
+    fails, plainest = NEEDS[need]
+    assert find(fs.cases(dtypes=fs.draw.DEFAULT_DTYPES), fails, settings=SEARCH) == plainest
+
+
+def test_the_shrinking_check_sees_a_field_that_does_not_shrink():
+    stuck = st.builds(lambda c, b: c.replace(block_k=b), fs.cases(dtypes=fs.draw.DEFAULT_DTYPES),
+                      st.sampled_from((64, 1)))  # 64 first: a block that cannot shrink below it
+    fails, plainest = NEEDS["three keys"]
+    assert find(stuck, fails, settings=SEARCH) != plainest
+
+
+def test_a_per_tile_bug_shrinks_to_the_smallest_tile_that_shows_it():
+    """The mutant whose causal mask is decided per key tile, through the real property, no pins:
+    a tile of 2 keys is the smallest that shows it, and that is where shrinking must end."""
+    import re
+
+    from mutants import tiled
+    from properties import test_forward
+
+    inner = test_forward.test_output_matches_dense_float64.hypothesis.inner_test
+    prop = settings(phases=[Phase.generate, Phase.shrink], database=None, derandomize=True,
+                    max_examples=25)(given(case=fs.cases())(inner))
+    with pytest.raises(AssertionError) as info:
+        prop(impl=tiled.causal_per_tile.__flashcheck__)
+    shrunk = eval(re.findall(r"case: (AttentionCase\([^)]*\))", str(info.value))[-1], {"AttentionCase": Case})
+    assert (shrunk.block_k, shrunk.sk) == (2, 2), f"expected a tile of 2 keys over 2 keys, shrank to {shrunk!r}"
 
 
 def test_oracle_floor_admits_an_exact_answer_when_dense_error_is_zero():

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from hypothesis import note, reject, settings
+from hypothesis import currently_in_test_context, note, reject, settings
 from hypothesis import strategies as st
 
 from strategies.case import REGIMES, AttentionCase
@@ -28,6 +28,13 @@ DTYPES = {  # float64 first: it shrinks there when the bug is not about precisio
 DEFAULT_DTYPES = ("float64", "float32", "float16", "bfloat16")
 SCALES = (None, 0.0, 1e-6, 0.5, 2.0, 30.0)  # default, zero, tiny, plain, large
 DIMS = (1, 2, 3, 5, 7, 8, 16, 24, 31, 32, 33, 40, 48, 64, 80, 96, 100, 128, 160, 192, 256)
+# One draw, smallest first: a tile bug shrinks to the smallest tile that still shows it
+# (a one_of of small integers and large powers of two cannot walk from 16 down to 2).
+BLOCKS = (1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 64, 128)
+
+
+def block_sizes():
+    return st.sampled_from(BLOCKS)
 
 
 def _profile() -> str:
@@ -41,10 +48,17 @@ def limits() -> dict:
 
 
 def lengths(block: int, top: int):
-    """A sequence length: small first, then the boundaries around one and two blocks."""
-    edges = sorted({n for b in (block, 2 * block) for n in (b - 1, b, b + 1) if 1 <= n <= top})
+    """A sequence length: small first, then the boundaries around one and two blocks.
+
+    The same draws whatever the block, so that shrinking the block does not reinterpret them.
+    """
+    def edge(tiles, delta):
+        n = tiles * block + delta
+        return n if 1 <= n <= top else 1
+
     # the third branch keeps one-by-one problems a small minority of what is drawn
-    return st.one_of(st.integers(1, top), st.sampled_from(edges or [1]), st.integers(max(1, top // 4), top))
+    return st.one_of(st.integers(1, top), st.builds(edge, st.sampled_from((1, 2)), st.sampled_from((0, -1, 1))),
+                     st.integers(max(1, top // 4), top))
 
 
 @st.composite
@@ -64,8 +78,8 @@ def cases(draw, *, dtypes=None, causal=None, regimes=REGIMES, masked_rows=False,
     batch = draw(st.integers(1, lim["batch"]), label="batch")
     hkv = draw(st.integers(1, lim["heads"]), label="hkv")
     hq = hkv * draw(st.integers(1, lim["heads"]), label="group")
-    block_q = draw(st.one_of(st.integers(1, 8), st.sampled_from((16, 32, 64, 128))), label="block_q")
-    block_k = draw(st.one_of(st.integers(1, 8), st.sampled_from((16, 32, 64, 128))), label="block_k")
+    block_q = draw(block_sizes(), label="block_q")
+    block_k = draw(block_sizes(), label="block_k")
     sk = draw(lengths(block_k, lim["seq"]), label="sk")
     if masked_rows:
         # bottom-right with Sq > Sk: the first Sq - Sk query rows see no key at all
@@ -128,28 +142,34 @@ def _nearest(value, allowed):
 
 
 LAST_FITTED: list = [None]  # (impl, case) of the latest fit: the case a failure report shows
+PINS: list = [frozenset()]  # the running test's @example cases (conftest sets it)
+PIN_REPORTS: list[str] = []  # pins that were refitted or not run, reported after the test
+LAST_REFUSAL: list = [None]  # why the latest case was rejected: shown when no case fits at all
 
 
-def fit(impl, case: AttentionCase) -> AttentionCase:
-    """The nearest case inside what ``impl`` declares it can run; unchanged when it fits.
+class PinNotAsWritten(UserWarning):
+    """An @example pin was refitted to an implementation's declarations, or could not run on it."""
 
-    Fitting, not filtering, keeps every draw useful and lets an ``@example`` pin one
-    case for every implementation.
-    """
+
+def within(impl, case: AttentionCase) -> AttentionCase:
+    """The nearest case inside ``impl``'s declared limits (``supports`` aside)."""
     c = fit_features(impl, case).replace(precision=impl.precision)
     if c.dtype not in impl.dtypes:
         c = c.replace(dtype=min(impl.dtypes, key=lambda t: abs(_PRECISION[t] - _PRECISION[c.dtype])))
+    if c.causal is None and impl.causal_only:
+        c = c.replace(causal=impl.causal[0])
     if c.causal is not None and c.causal not in impl.causal:
         c = c.replace(causal=impl.causal[0] if impl.causal else None)
     if not impl.gqa and c.hkv != c.hq:
         c = c.replace(hkv=c.hq)
-    lo, hi = impl.head_dims
-    c = c.replace(d=min(max(c.d, lo), hi), dv=min(max(c.d if impl.equal_head_dims else c.dv, lo), hi))
+    d = impl.nearest_head_dim(c.d)
+    c = c.replace(d=d, dv=d if impl.equal_head_dims else impl.nearest_head_dim(c.dv))
     if c.dtype not in HALF and max(c.sq, c.sk) > limits()["seq"]:
         reject()  # the long region is for fp16/bf16 kernels; cutting it short would stall the shrinker
-    top = impl.max_seq or max(c.sq, c.sk)
     m = impl.seq_multiple
-    sq, sk = (min(max(m, -(-n // m) * m), top // m * m or m) for n in (c.sq, c.sk))
+    lo = -(-impl.min_seq // m) * m
+    top = (impl.max_seq or max(c.sq, c.sk, lo)) // m * m
+    sq, sk = (min(max(lo, -(-n // m) * m), top) for n in (c.sq, c.sk))
     if impl.equal_lengths:
         sk = sq
     if not impl.masked_rows and c.causal == "bottom_right" and sq > sk:
@@ -159,10 +179,65 @@ def fit(impl, case: AttentionCase) -> AttentionCase:
         c = c.replace(window=None)  # a window that empties rows, for one that declares it cannot have them
     if isinstance(impl.blocks, tuple):
         c = c.replace(block_q=_nearest(c.block_q, impl.blocks), block_k=_nearest(c.block_k, impl.blocks))
+    if not impl.scale_arg:
+        c = c.replace(scale=None)
+    return c
+
+
+def supported(impl, case: AttentionCase) -> tuple[AttentionCase | None, str | None]:
+    """(the case fitted to the declared limits, None), or (None, why) when ``supports`` refuses it.
+
+    A refused case is not bent further (that could take away what a property drew it for,
+    e.g. its logit regime); the strategies draw another one instead.
+    """
+    c = within(impl, case)
+    why = impl.unsupported(c)
+    return (c, None) if why is None else (None, why)
+
+
+def fit(impl, case: AttentionCase) -> AttentionCase:
+    """The nearest case inside what ``impl`` declares it can run; unchanged when it fits.
+
+    Fitting, not filtering, keeps every draw useful and lets an ``@example`` pin one
+    case for every implementation. A pin that had to change, or cannot run at all, is
+    reported (PIN_REPORTS), so that it never passes without testing what it names.
+    """
+    c, why = supported(impl, case)
+    if c is None:
+        _pin_report(case, f"not run: {why}")
+        _note(f"{impl.name} cannot run {case!r}: {why}")
+        LAST_REFUSAL[0] = why
+        reject()
     if c != case.replace(precision=impl.precision):  # a precision alone is not worth a note
-        note(f"fitted to {impl.name}: {c!r}")
+        _note(f"fitted to {impl.name}: {c!r}")
+        _pin_report(case, "refitted: " + ", ".join(f"{f} {getattr(case, f)!r} -> {getattr(c, f)!r}"
+                                                 for f in FIELDS if f != "precision"
+                                                 and getattr(case, f) != getattr(c, f)))
     for issue in impl.known_issues:
         if issue.applies(c):
+            _pin_report(case, f"not run: known issue {issue.text!r}")
+            LAST_REFUSAL[0] = f"known issue {issue.text!r}"
             reject()  # a declared, already-reported failure: test the rest of the space
     LAST_FITTED[0] = (impl, c)
     return c
+
+
+def _note(text: str):
+    if currently_in_test_context():
+        note(text)
+
+
+FIELDS = tuple(AttentionCase.__dataclass_fields__)
+
+
+def _short(case: AttentionCase) -> str:
+    """The case as it is pinned: only the fields off their defaults."""
+    plain = AttentionCase()
+    return "Case(" + ", ".join(f"{f}={getattr(case, f)!r}" for f in FIELDS
+                               if getattr(case, f) != getattr(plain, f)) + ")"
+
+
+def _pin_report(case, what: str):
+    line = f"@example {_short(case)} {what}"
+    if case in PINS[0] and line not in PIN_REPORTS:
+        PIN_REPORTS.append(line)

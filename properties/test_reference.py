@@ -1,0 +1,101 @@
+"""The dense float64 reference (the oracle's truth) against computations that share none of its code.
+
+numpy-dense *is* the oracle's code, so comparing it with the truth proves nothing; the
+properties skip it there. Here it meets (1) torch's softmax and autograd in float64 and
+(2) plain Python with exactly rounded sums (math.fsum) on small cases, row by row.
+"""
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+
+import strategies as fs
+from impls import numpy_ref
+
+pytestmark = pytest.mark.properties
+
+F64 = dict(dtypes=("float64",))
+
+
+def small(case):
+    return case.replace(batch=1, sq=min(case.sq, 5), sk=min(case.sk, 5), d=min(case.d, 6), dv=min(case.dv, 6))
+
+
+def reference(case):
+    q, k, v, do = case.inputs()
+    kw = case.reference_kwargs()
+    o, lse = numpy_ref.dense_forward(q, k, v, **kw)
+    return (o, lse) + tuple(numpy_ref.dense_backward(q, k, v, o, lse, do, **kw))
+
+
+def torch_attention(case):
+    """Masked softmax attention written directly in torch (float64), gradients by autograd."""
+    q, k, v, do = (torch.from_numpy(x).requires_grad_() for x in case.inputs())
+    g = case.hq // case.hkv
+    s = case.effective_scale * (q @ k.repeat_interleave(g, 1).transpose(-1, -2))
+    s = s.masked_fill(~torch.from_numpy(case.visible()), -math.inf)
+    lse = torch.logsumexp(s, -1)
+    p = torch.nan_to_num(torch.exp(s - lse[..., None]), nan=0.0)  # a row that sees nothing: all zero
+    o = p @ v.repeat_interleave(g, 1)
+    o.backward(do)
+    return tuple(t.detach().numpy() for t in (o, lse, q.grad, k.grad, v.grad))
+
+
+def python_rows(case):
+    """O and LSE one query row at a time, in plain Python floats with exactly rounded sums."""
+    q, k, v, _ = (x.tolist() for x in case.inputs())
+    g, sc, vis = case.hq // case.hkv, case.effective_scale, case.visible()
+    o = np.zeros((case.batch, case.hq, case.sq, case.dv))
+    lse = np.full((case.batch, case.hq, case.sq), -math.inf)
+    for b in range(case.batch):
+        for h in range(case.hq):
+            kh, vh = k[b][h // g], v[b][h // g]
+            for i, qi in enumerate(q[b][h]):
+                seen = [j for j in range(case.sk) if vis[i, j]]
+                if not seen:
+                    continue
+                s = {j: sc * math.fsum(a * c for a, c in zip(qi, kh[j])) for j in seen}
+                top = max(s.values())
+                w = {j: math.exp(s[j] - top) for j in seen}
+                total = math.fsum(w.values())
+                lse[b, h, i] = top + math.log(total)
+                o[b, h, i] = [math.fsum(w[j] * vh[j][c] for j in seen) / total for c in range(case.dv)]
+    return o, lse
+
+
+def assert_close(name, got, want, case, rel=1e-10):
+    finite = np.isfinite(want)
+    assert np.array_equal(np.isfinite(got), finite) and np.array_equal(got[~finite], want[~finite]), (
+        f"reference {name}: non-finite entries differ from the independent result\n  case: {case!r}")
+    size = np.abs(want[finite]).max(initial=0) + 1
+    err = np.abs(got[finite] - want[finite]).max(initial=0)
+    assert err <= rel * size, f"reference {name}: off by {err:.3e} (allowed {rel * size:.3e})\n  case: {case!r}"
+
+
+@given(case=fs.cases(**F64))
+def test_dense_reference_matches_torch_autograd_in_float64(case):
+    for name, got, want in zip(("o", "lse", "dq", "dk", "dv"), reference(case), torch_attention(case)):
+        assert_close(name, got, want, case)
+
+
+@given(case=fs.cases(**F64).map(small))
+def test_dense_reference_matches_exactly_summed_python_rows(case):
+    o, lse = python_rows(case)
+    ref_o, ref_lse = reference(case)[:2]
+    assert_close("o", ref_o, o, case)
+    assert_close("lse", ref_lse, lse, case)
+
+
+@pytest.mark.parametrize("check", [test_dense_reference_matches_torch_autograd_in_float64,
+                                   test_dense_reference_matches_exactly_summed_python_rows])
+def test_a_reference_with_its_scale_doubled_is_caught(check, monkeypatch):
+    real = numpy_ref.dense_forward
+
+    def doubled(q, k, v, *, causal=False, scale=None):
+        return real(q, k, v, causal=causal, scale=2 * (1 / math.sqrt(q.shape[-1]) if scale is None else scale))
+
+    monkeypatch.setattr(numpy_ref, "dense_forward", doubled)
+    with pytest.raises(AssertionError, match="reference (o|lse)"):
+        check()

@@ -1,0 +1,116 @@
+"""The suite's own trustworthiness (issue 9): no false alarm on a correct kernel that declares
+its limits, no check that cannot fail, and reports that blame the right thing.
+
+The kernels are in mutants/untrusted.py; the properties are called here in process, on
+one implementation each. What only a pytest run shows (skips, ordering, FlakyFailure turned
+into a message) is checked through pytest itself in mutants/test_examples.py.
+"""
+import pytest
+from hypothesis.errors import UnsatisfiedAssumption
+
+import strategies as fs
+from impls import capabilities, implementation, load
+from mutants import untrusted as ut
+from properties import helpers as ph
+from properties import test_backward, test_bad_input, test_forward, test_invariance, test_known_issues
+from strategies import AttentionCase as Case
+
+pytestmark = pytest.mark.properties
+
+
+def record(fn):
+    return fn.__flashcheck__
+
+
+def test_top_left_with_equal_lengths_is_not_asked_for_masked_positions():
+    why = capabilities.missing(record(ut.no_masked_positions), ["masked"])
+    assert why and "equal lengths" in why[0], f"expected a skip naming equal lengths, got {why}"
+
+
+def test_a_causal_only_kernel_is_not_asked_for_non_causal_properties():
+    causal_only = implementation(name="c", causal="top_left", causal_only=True, register=False)(lambda q, k, v: q)
+    why = capabilities.missing(record(causal_only), ["non_causal"])
+    assert why == ["c is causal_only: it has no non-causal mode"], why
+
+
+def test_bad_input_starts_from_a_case_the_kernel_accepts():
+    """Refusing a too-short case is not refusing a batch mismatch: the check must see the broadcast."""
+    with pytest.raises(pytest.fail.Exception, match="DID NOT RAISE"):
+        test_bad_input.test_malformed_shapes_raise_a_named_error(record(ut.checks_lengths_only), "batch")
+
+
+def test_a_triton_pointer_error_counts_as_a_device_refusal():
+    import re
+
+    said = "Pointer argument (at 0) cannot be accessed from Triton (cpu tensor?)"
+    assert re.search(test_bad_input.DEVICE_WORDS, said)
+
+
+@pytest.mark.parametrize("check", [
+    lambda impl: test_bad_input.test_malformed_shapes_raise_a_named_error(impl, "rank"),
+    lambda impl: test_bad_input.test_query_heads_not_a_multiple_of_kv_heads_is_refused(impl),
+    lambda impl: test_bad_input.test_unsupported_dtype_is_refused(impl),
+], ids=["shape", "heads", "dtype"])
+def test_a_kernel_that_refuses_everything_fails_the_bad_input_checks(check):
+    with pytest.raises(pytest.fail.Exception, match="refused a case inside its own declarations"):
+        check(record(ut.not_implemented))
+
+
+def test_nan_from_the_kernel_is_blamed_on_the_kernel_not_the_reference():
+    with pytest.raises(AssertionError) as info:
+        test_invariance.test_permuting_keys_and_values_together_leaves_output_unchanged(impl=record(ut.nan_output))
+    said = str(info.value)
+    assert "reference" not in said and "own result" in said, f"wrong blame: {said}"
+
+
+def test_a_kernel_that_answers_differently_twice_is_named_nondeterministic():
+    said = ph.nondeterminism(record(ut.first_call_wrong), Case(sq=3, sk=5, d=4, dv=4, seed=7))
+    assert "race or nondeterminism" in said and "largest difference" in said and "case: AttentionCase(" in said, said
+
+
+def test_the_oracle_code_is_not_counted_as_tested_by_its_own_comparisons():
+    dense = load("numpy-dense")
+    assert capabilities.missing(dense, ["independent"]), "numpy-dense must be skipped where it meets itself"
+    assert not capabilities.missing(load("numpy-tiled"), ["independent"])
+    for prop in (test_forward.test_output_matches_dense_float64,
+                 test_forward.test_lse_is_natural_log_sum_exp_of_scaled_logits,
+                 test_backward.test_gradients_match_analytic_float64):
+        needs = [n for m in getattr(prop, "pytestmark", []) if m.name == "requires" for n in m.args]
+        assert "independent" in needs, f"{prop.__name__} compares with the truth but runs on numpy-dense"
+
+
+def test_an_in_place_write_to_a_float64_input_is_seen():
+    with pytest.raises(AssertionError, match="modified its input q"):
+        test_invariance.test_inputs_are_never_modified(impl=record(ut.halves_q_in_place))
+
+
+def test_a_known_issue_must_fail_as_declared_not_just_fail():
+    with pytest.raises(AssertionError, match="not as declared"):
+        test_known_issues.test_each_known_issue_still_reproduces(record(ut.wrong_at_zero_scale))
+
+
+# @example pins: each either runs as written or is reported.
+BLOCKY = implementation(name="blocky", blocks=(16, 32), dtypes=("float64",),
+                        register=False)(lambda *a, **kw: ut.nan_output(*a, **kw))
+ISSUED = record(ut.wrong_at_zero_scale)
+PICKY = implementation(name="picky", supports=lambda c: c.sk > 1 or "one key is not supported",
+                       dtypes=("float64",), register=False)(lambda *a, **kw: ut.nan_output(*a, **kw))
+
+
+@pytest.mark.filterwarnings("ignore::hypothesis.errors.HypothesisDeprecationWarning")  # reject() outside a test
+@pytest.mark.parametrize("kernel,pin,said", [
+    (BLOCKY.__flashcheck__, Case(sk=2, block_k=1), "@example Case(sk=2, block_k=1) refitted: block_k 1 -> 16"),
+    (ISSUED, Case(sk=3, scale=0.0), "not run: known issue 'scale 0.0 returns NaN'"),
+    (PICKY.__flashcheck__, Case(), "not run: one key is not supported"),
+])
+def test_a_pin_that_cannot_run_as_written_is_reported(kernel, pin, said, monkeypatch):
+    monkeypatch.setattr(fs.draw, "PINS", [frozenset({pin})])
+    monkeypatch.setattr(fs.draw, "PIN_REPORTS", [])
+    try:
+        fs.fit(kernel, pin)
+    except UnsatisfiedAssumption:
+        pass
+    assert any(said in line for line in fs.draw.PIN_REPORTS), f"expected {said!r} in {fs.draw.PIN_REPORTS}"
+    fs.draw.PIN_REPORTS.clear()
+    fs.fit(kernel, Case(sk=5, d=3, dv=3, block_q=16, block_k=16))  # not a pin, runs unchanged or refitted quietly
+    assert fs.draw.PIN_REPORTS == []
