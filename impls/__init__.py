@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,7 @@ FRAMEWORKS = ("torch", "numpy")
 
 REGISTRY: dict[str, "Implementation"] = {}
 SPECS: dict[str, str] = {}  # implementation name -> the --impl spec that loaded it
+ORIGINS: dict[str, dict] = {}  # implementation name -> where it was loaded from (see ``origin_of``)
 
 
 class ContractError(ValueError):
@@ -144,6 +146,9 @@ def load(spec: str) -> Implementation:
                                 "expected FILE.py:function, module:function or a built-in name")
         return named[spec]
     target, sep, attr = spec.rpartition(":")
+    if spec.endswith(".py") and not sep:
+        raise ContractError(f"--impl {spec!r}: name the function too, as {spec}:FUNCTION "
+                            f"(decorated in it: {', '.join(_decorated(Path(spec))) or 'none found'})")
     if not sep or not target or not attr:
         raise ContractError(f"--impl {spec!r}: expected FILE.py:function, module:function or a built-in name")
     if target.endswith(".py") or "/" in target:
@@ -171,12 +176,40 @@ def load(spec: str) -> Implementation:
     if record is None:
         raise ContractError(f"--impl {spec!r}: {attr!r} is not decorated with @impls.implementation(...)")
     SPECS[record.name] = spec
+    ORIGINS[record.name] = _origin(module, attr)
     return record
+
+
+def _origin(module, attr: str) -> dict:
+    """Where a loaded implementation lives, absolute, so it can be loaded again from any directory."""
+    path = Path(getattr(module, "__file__", "") or "").resolve()
+    origin = {"spec": f"{path}:{attr}", "path": str(path), "function": attr, "module": None, "root": None}
+    if not module.__name__.startswith("flashcheck_plugin_"):  # imported by module name, not by file
+        depth = module.__name__.count(".") + (path.name == "__init__.py")
+        origin.update(spec=f"{module.__name__}:{attr}", module=module.__name__, root=str(path.parents[depth]))
+    return origin
+
+
+def _decorated(path: Path) -> list[str]:
+    """Functions that look decorated with @implementation in a file, for a hint (read, not imported)."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return []
+    # a decorator block: lines from "@...implementation(" down to the "def" it decorates
+    return re.findall(r"^@[\w.]*implementation\((?:.|\n)*?^def (\w+)", text, re.M)
 
 
 def spec_of(impl: Implementation) -> str:
     """A spec that ``load`` turns back into this implementation."""
     return SPECS.get(impl.name) or impl.name
+
+
+def origin_of(impl: Implementation) -> dict:
+    """Where ``impl`` came from: an absolute ``spec`` that loads it from any directory, the file
+    ``path``, and for module specs the ``module`` name and the sys.path ``root`` it imports from."""
+    return ORIGINS.get(impl.name) or {"spec": impl.name, "path": None, "function": None, "module": None,
+                                      "root": None}
 
 
 def builtins() -> list[Implementation]:
