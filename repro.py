@@ -105,7 +105,9 @@ def main(argv=None) -> int:
     inputs = [saved[n] for n in ("q", "k", "v", "do")]
     if any(not np.array_equal(a, b) for a, b in zip(inputs, case.inputs())):
         print("warning: this NumPy draws different inputs for the case; replaying the saved ones")
-    print(f"case: {case!r}\nimplementation: {impl.name} ({args.impl or origin['spec']})")
+    from flashcheck.report import case_code
+
+    print(f"case = {case_code(case, impl)}\nimplementation: {impl.name} ({args.impl or origin['spec']})")
     case = case if case.dtype in impl.dtypes else case.replace(dtype=impl.dtypes[0])
     try:
         res = call.run(impl, case, *inputs[:3], inputs[3] if impl.has_backward else None)

@@ -230,6 +230,10 @@ def heatmap(failure: Failure, path) -> bool:
         ratio = np.log10(np.where(np.isfinite(e.err[b, h]), e.err[b, h], 1e300) / np.maximum(e.limit[b, h], 1e-300))
     fig, ax = plt.subplots(figsize=(6, 4))
     im = ax.imshow(np.clip(ratio, -3, 6), cmap="magma", aspect="auto", interpolation="nearest")
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("value dim" if e.name in ("o", "dv") else "head dim")
     ax.set_ylabel("key" if e.name in ("dk", "dv") else "query row")
     ax.set_title(f"{failure.impl.name} {e.name}: log10(error / allowed), batch {b}, head {h}\n"

@@ -147,8 +147,9 @@ def load(spec: str) -> Implementation:
         return named[spec]
     target, sep, attr = spec.rpartition(":")
     if spec.endswith(".py") and not sep:
-        raise ContractError(f"--impl {spec!r}: name the function too, as {spec}:FUNCTION "
-                            f"(decorated in it: {', '.join(_decorated(Path(spec))) or 'none found'})")
+        found = _decorated(Path(spec))
+        raise ContractError(f"--impl {spec!r}: expected FILE.py:function, e.g. {spec}:{found[0] if found else 'FUNCTION'}"
+                            f" (decorated with @implementation in it: {', '.join(found) or 'none found'})")
     if not sep or not target or not attr:
         raise ContractError(f"--impl {spec!r}: expected FILE.py:function, module:function or a built-in name")
     if target.endswith(".py") or "/" in target:

@@ -12,6 +12,12 @@ pytestmark = pytest.mark.properties
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.fixture(autouse=True)
+def _in_the_checkout(monkeypatch):
+    """Specs below are relative to the checkout, wherever pytest was started."""
+    monkeypatch.chdir(ROOT)
+
+
 def _pytest(*args, env=None):
     full_env = {k: v for k, v in os.environ.items() if k != "FLASHCHECK_IMPL"} | (env or {})
     return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args], cwd=ROOT,
