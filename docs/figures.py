@@ -75,13 +75,13 @@ def rounding_model():
     body = [_text(20, 26, "Where a fused fp16/bf16 kernel rounds (t = the input dtype)", 15, weight="bold")]
     x = 20
     for i, (head, sub, fill) in enumerate(boxes):
-        body.append(f'<rect x="{x}" y="50" width="135" height="58" rx="6" fill="{fill}" stroke="#555"/>')
-        body.append(_text(x + 67, 74, head, 13, "middle", "bold"))
-        body.append(_text(x + 67, 94, sub, 10.5, "middle"))
+        body.append(f'<rect x="{x}" y="50" width="148" height="58" rx="6" fill="{fill}" stroke="#555"/>')
+        body.append(_text(x + 74, 74, head, 13, "middle", "bold"))
+        body.append(_text(x + 74, 94, sub, 10.5, "middle"))
         if i < len(boxes) - 1:
-            body.append(f'<path d="M{x + 137} 79 L{x + 153} 79" stroke="#333" stroke-width="2" '
+            body.append(f'<path d="M{x + 150} 79 L{x + 166} 79" stroke="#333" stroke-width="2" '
                         'marker-end="url(#arrow)"/>')
-        x += 158
+        x += 171
     body.insert(0, '<defs><marker id="arrow" markerWidth="8" markerHeight="8" refX="6" refY="3" orient="auto">'
                    '<path d="M0,0 L6,3 L0,6 z" fill="#333"/></marker></defs>')
     notes = [
@@ -94,7 +94,7 @@ def rounding_model():
     ]
     for k, line in enumerate(notes):
         body.append(_text(20, 140 + 18 * k, line, 12))
-    return _svg(960, 260, body)
+    return _svg(1040, 260, body)
 
 
 def real_failure():

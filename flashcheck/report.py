@@ -19,6 +19,7 @@ from __future__ import annotations
 import re
 import traceback
 from dataclasses import dataclass, fields
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -133,6 +134,21 @@ class Failure:
             extra = ", error.png" if (where / "error.png").is_file() else ""
             lines.append(f"  full message and traceback: {where / 'failure.txt'}{extra}")
         return "\n".join(lines)
+
+
+class Text:
+    """A failure as pytest prints it: the short report, and its first line for the summary line."""
+
+    def __init__(self, text: str):
+        self.text = text
+        self.reprcrash = SimpleNamespace(message=text.splitlines()[0], path="", lineno=0)
+
+    def toterminal(self, out) -> None:
+        for line in self.text.splitlines():
+            out.line(line)
+
+    def __str__(self):
+        return self.text
 
 
 def _rerun(impl, case, message: str) -> Entries | None:

@@ -49,7 +49,7 @@ def run_suite(spec: str, pins: bool = True, timeout: float = 600) -> Verdict:
     if proc.returncode not in (0, 1):
         raise RuntimeError(f"pytest could not run {spec} (exit {proc.returncode}):\n{out[-3000:]}")
     failed = re.search(r"^FAILED (\S+)", out, re.M)
-    cases = re.findall(r"case[:=] (AttentionCase\([^)]*\))", out)
+    cases = re.findall(r"case(?::| =) (AttentionCase\([^)]*\))", out)
     return Verdict(spec, proc.returncode == 1, seconds, failed.group(1) if failed else "",
                    cases[-1] if cases else "", out)
 
