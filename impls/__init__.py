@@ -175,7 +175,7 @@ def load(spec: str) -> Implementation:
         raise ContractError(f"--impl {spec!r}: module {target!r} has no attribute {attr!r}")
     record = getattr(fn, "__flashcheck__", None)
     if record is None:
-        raise ContractError(f"--impl {spec!r}: {attr!r} is not decorated with @impls.implementation(...)")
+        raise ContractError(f"--impl {spec!r}: {attr!r} is not decorated with @flashcheck.implementation(...)")
     SPECS[record.name] = spec
     ORIGINS[record.name] = _origin(module, attr)
     return record
@@ -215,5 +215,5 @@ def origin_of(impl: Implementation) -> dict:
 
 def builtins() -> list[Implementation]:
     """The built-in implementations whose dependencies import here."""
-    from impls import builtin  # noqa: F401  (registers on import)
+    from flashcheck.impls import builtin  # noqa: F401  (registers on import)
     return [REGISTRY[name] for name in builtin.NAMES if name in REGISTRY]

@@ -7,10 +7,10 @@ import importlib
 
 NAMES = []
 for module, names in (
-    ("impls.numpy_ref", ["numpy-dense", "numpy-tiled"]),
-    ("impls.torch_tiled", ["torch-tiled"]),
-    ("impls.triton_fused", ["triton-fused"]),
-    ("impls.sdpa", ["sdpa-math", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn"]),
+    ("flashcheck.impls.numpy_ref", ["numpy-dense", "numpy-tiled"]),
+    ("flashcheck.impls.torch_tiled", ["torch-tiled"]),
+    ("flashcheck.impls.triton_fused", ["triton-fused"]),
+    ("flashcheck.impls.sdpa", ["sdpa-math", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn"]),
 ):
     try:
         importlib.import_module(module)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from impls import Implementation
+from flashcheck.impls import Implementation
 
 
 @dataclass

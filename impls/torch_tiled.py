@@ -22,8 +22,8 @@ import math
 import torch
 from torch.autograd.function import once_differentiable
 
-from impls import implementation
-from impls.checks import alignment, check_blocks, check_inputs, offset
+from flashcheck.impls import implementation
+from flashcheck.impls.checks import alignment, check_blocks, check_inputs, offset
 
 WHO = "torch-tiled"
 DTYPES = ("float64", "float32", "float16", "bfloat16")

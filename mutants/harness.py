@@ -56,7 +56,7 @@ def run_suite(spec: str, pins: bool = True, timeout: float = 600) -> Verdict:
 
 def parse(case_repr: str):
     """The AttentionCase a report printed."""
-    from strategies import AttentionCase
+    from flashcheck import AttentionCase
 
     return eval(case_repr, {"AttentionCase": AttentionCase})
 

@@ -20,8 +20,8 @@ if triton_mutants is not None:
 # The mutants' own correct build is the false-alarm check CI runs; the built-ins pass the
 # main suite already, so repeating them here through the harness is opt-in (slow).
 CORRECT = ["mutants/tiled.py:correct",
-           pytest.param("impls.numpy_ref:tiled_forward", marks=pytest.mark.slow),
-           pytest.param("impls.triton_fused:attention", marks=pytest.mark.slow)]
+           pytest.param("flashcheck.impls.numpy_ref:tiled_forward", marks=pytest.mark.slow),
+           pytest.param("flashcheck.impls.triton_fused:attention", marks=pytest.mark.slow)]
 RESULTS = harness.RESULTS
 
 

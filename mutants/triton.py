@@ -2,7 +2,7 @@
 
 On a machine without CUDA they run in Triton's interpreter, so CPU CI kills them too.
 """
-from impls import triton_fused
+from flashcheck.impls import triton_fused
 
 BUGS = {
     "no_rescale": "online-softmax rescale skipped (Triton)",

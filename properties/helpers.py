@@ -1,9 +1,9 @@
-"""Short helpers the property tests share. Import as ``from properties import helpers as ph``."""
+"""Short helpers the property tests share. Import as ``from flashcheck.properties import helpers as ph``."""
 from __future__ import annotations
 
 import numpy as np
 
-from impls import call
+from flashcheck.impls import call
 
 RESULTS = ("o", "lse", "dq", "dk", "dv")
 

@@ -2,8 +2,8 @@
 import numpy as np
 import pytest
 
-from impls import call
-from strategies import AttentionCase as Case
+from flashcheck.impls import call
+from flashcheck.strategies import AttentionCase as Case
 
 pytestmark = pytest.mark.properties
 

@@ -1,9 +1,9 @@
 """Declared known issues still reproduce; when one stops, its declaration should go."""
 import pytest
 
-import oracle as orc
-import strategies as fs
-from properties import helpers as ph
+from flashcheck import oracle as orc
+from flashcheck import strategies as fs
+from flashcheck.properties import helpers as ph
 
 pytestmark = pytest.mark.properties
 

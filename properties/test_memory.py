@@ -48,7 +48,7 @@ def test_cuda_forward_backward_memory_is_linear():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from bench.memory import LENGTHS
-    from impls.torch_tiled import attention
+    from flashcheck.impls.torch_tiled import attention
 
     rows = []
     for n in LENGTHS:

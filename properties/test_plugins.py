@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from impls import ContractError, implementation, load
+from flashcheck import ContractError, implementation, load
 
 pytestmark = pytest.mark.properties
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,7 +26,7 @@ def _pytest(*args, env=None):
 
 def test_load_by_file_and_by_module_give_the_declared_record():
     by_file = load("examples/numpy_rowwise.py:attention")
-    by_module = load("impls.numpy_ref:tiled_forward")
+    by_module = load("flashcheck.impls.numpy_ref:tiled_forward")
     assert by_file.name == "numpy-rowwise" and by_file.framework == "numpy"
     assert by_module.name == "numpy-tiled" and by_module.blocks == "any"
     assert load("numpy-dense").name == "numpy-dense"  # a built-in by its name
@@ -35,7 +35,7 @@ def test_load_by_file_and_by_module_give_the_declared_record():
 @pytest.mark.parametrize("spec,words", [
     ("nowhere/missing.py:attention", "no such file"),
     ("examples/numpy_rowwise.py:nope", "has no attribute 'nope'"),
-    ("impls.checks:check_inputs", "not decorated"),
+    ("flashcheck.impls.checks:check_inputs", "not decorated"),
     ("no_such_module_xyz:f", "cannot import module"),
     ("examples/numpy_rowwise.py", "expected FILE.py:function"),
     ("no-such-builtin", "not a built-in implementation"),
@@ -72,7 +72,7 @@ def test_a_plugin_declaring_nothing_runs_with_the_defaults():
 
 def test_repeated_impl_and_the_environment_select_the_same_implementations():
     args = ["-m", "properties", "-q", "--collect-only", "properties/test_forward.py"]
-    both = _pytest(*args, "--impl", "examples/numpy_rowwise.py:attention", "--impl", "impls.numpy_ref:dense_forward")
+    both = _pytest(*args, "--impl", "examples/numpy_rowwise.py:attention", "--impl", "flashcheck.impls.numpy_ref:dense_forward")
     env = _pytest(*args, env={"FLASHCHECK_IMPL": "examples/numpy_rowwise.py:attention,impls.numpy_ref:dense_forward"})
     for run in (both, env):
         assert "[numpy-rowwise]" in run.stdout and "[numpy-dense]" in run.stdout, run.stdout[-2000:]

@@ -4,9 +4,9 @@ import pytest
 from hypothesis import HealthCheck, assume, find, given, settings
 from hypothesis import strategies as st
 
-import oracle as orc
-import strategies as fs
-from strategies import AttentionCase as Case
+from flashcheck import oracle as orc
+from flashcheck import strategies as fs
+from flashcheck.strategies import AttentionCase as Case
 
 pytestmark = pytest.mark.properties
 
@@ -103,7 +103,7 @@ def test_inputs_are_exact_in_the_case_dtype_and_replay_bit_for_bit(case):
 
 @given(st.data())
 def test_fit_is_idempotent_and_stays_within_declarations(data):
-    from impls import builtins
+    from flashcheck.impls import builtins
 
     impl = data.draw(st.sampled_from(builtins()), label="impl")
     case = fs.fit(impl, data.draw(fs.cases(), label="case"))

@@ -1,5 +1,5 @@
-"""Hypothesis strategies for attention problems. Import as ``import strategies as fs``."""
-from strategies.case import EPS, OVERFLOW_LOG, REGIMES, AttentionCase, quantize
-from strategies.draw import LIMITS, cases, fit, limits
+"""Hypothesis strategies for attention problems. Import as ``from flashcheck import strategies as fs``."""
+from flashcheck.strategies.case import EPS, OVERFLOW_LOG, REGIMES, AttentionCase, quantize
+from flashcheck.strategies.draw import LIMITS, cases, fit, limits
 
 __all__ = ["AttentionCase", "EPS", "LIMITS", "OVERFLOW_LOG", "REGIMES", "cases", "fit", "limits", "quantize"]

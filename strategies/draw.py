@@ -12,7 +12,7 @@ import math
 from hypothesis import note, reject, settings
 from hypothesis import strategies as st
 
-from strategies.case import REGIMES, AttentionCase
+from flashcheck.strategies.case import REGIMES, AttentionCase
 
 # How large cases get, by Hypothesis profile; "default" also covers unknown profiles.
 LIMITS = {

@@ -42,7 +42,7 @@ def folder() -> Path:
 
 def write(case, origin: dict | str, test_id: str, message: str) -> Path:
     """Write a reproducer for ``case`` failing ``test_id`` on the implementation at ``origin``
-    (``impls.origin_of``: an absolute spec, its file and module name; or a built-in's name)."""
+    (``flashcheck.impls.origin_of``: an absolute spec, its file and module name; or a built-in's name)."""
     origin = {"spec": origin} if isinstance(origin, str) else dict(origin)
     name = test_id.split("::")[-1].split("[")[0]
     tag = hashlib.sha1(f"{test_id}{case!r}".encode()).hexdigest()[:8]
@@ -67,7 +67,7 @@ def load_case(path: Path):
 def load_impl(origin: dict):
     """The implementation a reproducer names, from any directory: by module name from its
     recorded sys.path root, else by its absolute file path, else by its spec as written."""
-    from impls import ContractError, load
+    from flashcheck.impls import ContractError, load
 
     if origin.get("module") and origin.get("root"):
         if origin["root"] not in sys.path:
@@ -88,8 +88,8 @@ def main(argv=None) -> int:
     parser.add_argument("--impl", help="FILE.py:function, module:function or a built-in name "
                                        "(default: the implementation that failed)")
     args = parser.parse_args(argv)
-    import oracle as orc
-    from impls import ContractError, call, load
+    from flashcheck import oracle as orc
+    from flashcheck.impls import ContractError, call, load
 
     where = args.folder.resolve()
     if not (where / "case.py").is_file() or not (where / "inputs.npz").is_file():

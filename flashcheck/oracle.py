@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from impls import numpy_ref
-from strategies.case import EPS, AttentionCase, quantize
+from flashcheck.impls import numpy_ref
+from flashcheck.strategies.case import EPS, AttentionCase, quantize
 
 K = {"o": 2, "lse": 2, "dq": 3, "dk": 3, "dv": 3}
 FLOOR = 8
