@@ -34,7 +34,8 @@ def _is_explicit(exc: BaseException) -> bool:
     notes = [*getattr(exc, "__notes__", ())]
     for sub in getattr(exc, "exceptions", ()):
         notes += [*getattr(sub, "__notes__", ())]
-    return any("Falsifying explicit example" in n for n in notes)
+    # "Falsifying explicit example" up to Hypothesis 6.16x, "Failing explicit example" after
+    return any(n.startswith(("Falsifying explicit example", "Failing explicit example")) for n in notes)
 
 
 def _run(inner, kwargs) -> BaseException | None:
