@@ -79,11 +79,12 @@ def test_ci_template_cpu_job_passes_on_a_correct_kernel(kernel_repo):
     repo, first = kernel_repo
     assert first.returncode == 0, "the quick start failed; see the test above"
     env_vars, steps = _steps("cpu")
-    env = _job_env(repo, env_vars)
+    # the steps as written; one property is enough here (the quick start above ran them all)
+    env = _job_env(repo, env_vars, PYTEST_ADDOPTS="-k test_output_matches_dense_float64")
     for step in steps:
         run = _bash(step, repo, env)
         assert run.returncode == 0, f"step {step!r} failed:\n{(run.stdout + run.stderr)[-3000:]}"
-    assert re.search(r"\d+ passed", run.stdout), run.stdout[-2000:]
+    assert re.search(r"\b1 passed", run.stdout), run.stdout[-2000:]
 
 
 def test_ci_template_gpu_job_refuses_a_machine_without_cuda(kernel_repo):
