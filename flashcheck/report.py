@@ -117,7 +117,11 @@ class Failure:
         if self.case is None and self.params:
             lines[0] += f" [{self.params}]"
         if self.case is not None:
-            origin = f"shrunk from the pinned example {case_code(self.pin, impl)}" if self.pin is not None else "shrunk"
+            origin = "shrunk"
+            if self.pin is not None:
+                pinned = case_code(self.pin, impl)
+                origin = ("a pinned example, already minimal" if pinned == case_code(self.case, impl)
+                          else f"shrunk from the pinned example {pinned}")
             lines.append(f"  case = {case_code(self.case, impl)}  # {origin}, fitted to {impl.name}")
         if self.entries is not None:
             lines += _describe(self.entries, self.case, impl)
