@@ -29,7 +29,7 @@ import triton
 from triton.testing import do_bench
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from impls import triton_fused as tf  # noqa: E402
+from flashcheck.impls import triton_fused as tf  # noqa: E402
 
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 import torch.nn.functional as F  # noqa: E402

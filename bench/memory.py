@@ -41,7 +41,7 @@ def _worker(which: str, n: int, d: int) -> dict:
     sys.path.insert(0, str(ROOT))
 
     if which == "torch-tiled":
-        from impls.torch_tiled import attention
+        from flashcheck.impls.torch_tiled import attention
 
         def run(q, k, v):
             return attention(q, k, v)[0]

@@ -23,8 +23,8 @@ def child():
     import numpy as np
     import torch
 
-    from impls import numpy_ref
-    from impls.triton_fused import attention
+    from flashcheck.impls import numpy_ref
+    from flashcheck.impls.triton_fused import attention
 
     g = torch.Generator(device="cuda").manual_seed(0)
     b, hq, hkv, sq, sk, d = 1, 4, 2, 70, 45, 40

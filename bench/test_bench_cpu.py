@@ -10,8 +10,8 @@ test checks the target in one run: torch tiled forward within 1.5x of SDPA math 
 import pytest
 import torch
 
-from impls.numpy_ref import tiled_backward, tiled_forward
-from impls.torch_tiled import attention as torch_tiled
+from flashcheck.impls.numpy_ref import tiled_backward, tiled_forward
+from flashcheck.impls.torch_tiled import attention as torch_tiled
 
 pytestmark = pytest.mark.bench
 

@@ -18,8 +18,8 @@ and declare dtypes=("float16", "bfloat16"), devices=("cuda",).
 """
 import torch
 
-from impls import implementation
-from impls import torch_tiled
+from flashcheck import implementation
+from flashcheck.impls import torch_tiled
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,

@@ -11,8 +11,8 @@ import math
 
 import numpy as np
 
-from impls import implementation
-from impls.checks import check_inputs
+from flashcheck import implementation
+from flashcheck.impls.checks import check_inputs
 
 BLOCK = 4
 

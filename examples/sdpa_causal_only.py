@@ -10,8 +10,8 @@ Every declaration narrows what the suite draws for it; a property it cannot run 
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from impls import implementation
-from impls.checks import check_inputs
+from flashcheck import implementation
+from flashcheck.impls.checks import check_inputs
 
 DTYPES = ("float32", "float64")
 

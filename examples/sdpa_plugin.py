@@ -7,7 +7,7 @@ Backward runs through torch.autograd.
 """
 import torch.nn.functional as F
 
-from impls import KnownIssue, implementation
+from flashcheck import KnownIssue, implementation
 
 # Found by this suite on torch 2.13 (CPU flash backend): declared so the rest of the space
 # keeps being tested, and checked by properties/test_known_issues.py so a fix is noticed.

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from impls import implementation
+from flashcheck import implementation
 
 DTYPES = (torch.float32, torch.float64)
 HEAD_DIMS = range(8, 65, 8)

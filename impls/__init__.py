@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from impls.rounding import PRECISIONS
+from flashcheck.impls.rounding import PRECISIONS
 
 ALIGNMENTS = ("bottom_right", "top_left")
 DTYPES = ("float64", "float32", "float16", "bfloat16")
@@ -23,6 +23,7 @@ FRAMEWORKS = ("torch", "numpy")
 
 REGISTRY: dict[str, "Implementation"] = {}
 SPECS: dict[str, str] = {}  # implementation name -> the --impl spec that loaded it
+ORIGINS: dict[str, dict] = {}  # implementation name -> where it was loaded from (see ``origin_of``)
 
 
 class ContractError(ValueError):
@@ -234,6 +235,10 @@ def load(spec: str) -> Implementation:
                                 "expected FILE.py:function, module:function or a built-in name")
         return named[spec]
     target, sep, attr = spec.rpartition(":")
+    if spec.endswith(".py") and not sep:
+        found = _decorated(Path(spec))
+        raise ContractError(f"--impl {spec!r}: expected FILE.py:function, e.g. {spec}:{found[0] if found else 'FUNCTION'}"
+                            f" (decorated with @implementation in it: {', '.join(found) or 'none found'})")
     if not sep or not target or not attr:
         raise ContractError(f"--impl {spec!r}: expected FILE.py:function, module:function or a built-in name")
     if target.endswith(".py") or "/" in target:
@@ -259,9 +264,30 @@ def load(spec: str) -> Implementation:
         raise ContractError(f"--impl {spec!r}: module {target!r} has no attribute {attr!r}")
     record = getattr(fn, "__flashcheck__", None)
     if record is None:
-        raise ContractError(f"--impl {spec!r}: {attr!r} is not decorated with @impls.implementation(...)")
+        raise ContractError(f"--impl {spec!r}: {attr!r} is not decorated with @flashcheck.implementation(...)")
     SPECS[record.name] = spec
+    ORIGINS[record.name] = _origin(module, attr)
     return record
+
+
+def _origin(module, attr: str) -> dict:
+    """Where a loaded implementation lives, absolute, so it can be loaded again from any directory."""
+    path = Path(getattr(module, "__file__", "") or "").resolve()
+    origin = {"spec": f"{path}:{attr}", "path": str(path), "function": attr, "module": None, "root": None}
+    if not module.__name__.startswith("flashcheck_plugin_"):  # imported by module name, not by file
+        depth = module.__name__.count(".") + (path.name == "__init__.py")
+        origin.update(spec=f"{module.__name__}:{attr}", module=module.__name__, root=str(path.parents[depth]))
+    return origin
+
+
+def _decorated(path: Path) -> list[str]:
+    """Functions that look decorated with @implementation in a file, for a hint (read, not imported)."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return []
+    # a decorator block: lines from "@...implementation(" down to the "def" it decorates
+    return re.findall(r"^@[\w.]*implementation\((?:.|\n)*?^def (\w+)", text, re.M)
 
 
 def spec_of(impl: Implementation) -> str:
@@ -269,7 +295,14 @@ def spec_of(impl: Implementation) -> str:
     return SPECS.get(impl.name) or impl.name
 
 
+def origin_of(impl: Implementation) -> dict:
+    """Where ``impl`` came from: an absolute ``spec`` that loads it from any directory, the file
+    ``path``, and for module specs the ``module`` name and the sys.path ``root`` it imports from."""
+    return ORIGINS.get(impl.name) or {"spec": impl.name, "path": None, "function": None, "module": None,
+                                      "root": None}
+
+
 def builtins() -> list[Implementation]:
     """The built-in implementations whose dependencies import here."""
-    from impls import builtin  # noqa: F401  (registers on import)
+    from flashcheck.impls import builtin  # noqa: F401  (registers on import)
     return [REGISTRY[name] for name in builtin.NAMES if name in REGISTRY]

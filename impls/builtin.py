@@ -8,11 +8,11 @@ out is recorded in UNAVAILABLE with the error, and the suite reports it as a ski
 import importlib
 
 MODULES = (
-    ("impls.numpy_ref", ["numpy-dense", "numpy-tiled"]),
-    ("impls.torch_tiled", ["torch-tiled"]),
-    ("impls.triton_fused", ["triton-fused"]),
-    ("impls.sdpa", ["sdpa-math", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn"]),
-    ("impls.flex", ["flex"]),
+    ("flashcheck.impls.numpy_ref", ["numpy-dense", "numpy-tiled"]),
+    ("flashcheck.impls.torch_tiled", ["torch-tiled"]),
+    ("flashcheck.impls.triton_fused", ["triton-fused"]),
+    ("flashcheck.impls.sdpa", ["sdpa-math", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn"]),
+    ("flashcheck.impls.flex", ["flex"]),
 )
 
 

@@ -1,11 +1,12 @@
 """How the suite calls an implementation: case inputs in, float64 NumPy results out."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
 
-from impls import Implementation
+from flashcheck.impls import Implementation
 
 
 @dataclass
@@ -60,12 +61,60 @@ def kwargs_for(impl: Implementation, case, tensor=np.asarray) -> dict:
     return kw
 
 
+SECONDS: dict[str, list] = {}  # implementation name -> [calls, seconds]: how slow a kernel is, for a warning
+
+
+class ContractViolation(AssertionError):
+    """The implementation broke the plug-in contract (return type, shape): a failure of the kernel."""
+
+
 def _split(impl, out, name):
     if impl.lse:
         if not (isinstance(out, tuple) and len(out) == 2):
-            raise AssertionError(f"{name} declares lse=True but returned {type(out).__name__}, not (o, lse)")
+            raise ContractViolation(f"{name} declares lse=True but returned {type(out).__name__}, not (o, lse)")
         return out
+    if isinstance(out, tuple):
+        raise ContractViolation(f"{name} returned a tuple of {len(out)}; return o alone, or declare lse=True "
+                                "and return (o, lse)")
     return out, None
+
+
+def _check_returned(impl, q, v, o, lse):
+    """One clear line for a result of the wrong kind or shape, before any property uses it."""
+    want = "numpy.ndarray" if impl.framework == "numpy" else "torch.Tensor"
+    for label, x in (("o", o), ("lse", lse)):
+        if x is None:
+            continue
+        kind = f"{type(x).__module__.split('.')[0]}.{type(x).__name__}"
+        ok = isinstance(x, np.ndarray) if impl.framework == "numpy" else kind.startswith("torch.")
+        if not ok:
+            hint = (" (a NumPy kernel declares framework='numpy')" if kind.startswith("numpy.")
+                    else " (a torch kernel declares framework='torch', the default)" if kind.startswith("torch.")
+                    else "")
+            raise ContractViolation(f"{impl.name} returned {label} as {kind}, expected {want}{hint}")
+    shapes = {"o": tuple(q.shape[:3]) + tuple(v.shape[-1:]), "lse": tuple(q.shape[:3])}
+    for label, x in (("o", o), ("lse", lse)):
+        if x is not None and tuple(x.shape) != shapes[label]:
+            layout = "(B, Hq, Sq, Dv)" if label == "o" else "(B, Hq, Sq)"
+            raise ContractViolation(f"{impl.name} returned {label} of shape {tuple(x.shape)}, expected "
+                                    f"{layout} = {shapes[label]}")
+
+
+def _call(impl, case, *args, **kw):
+    """Call the kernel, timing it, and say how to declare limits when it refuses a case."""
+    start = time.perf_counter()
+    try:
+        return impl.fn(*args, **kw)
+    except NotImplementedError as exc:
+        raise NotImplementedError(
+            f"{impl.name} raised NotImplementedError({str(exc)!r}) on {case!r}; if it does not support such "
+            "cases, declare its limits in @implementation(...) (dtypes=, head_dims=, seq_multiple=, min_seq=, "
+            "max_seq=, equal_lengths=, blocks=, causal=, causal_only=, gqa=, scale_arg=, or supports= for any "
+            "other rule) and the suite draws only inside them") from exc
+    finally:
+        spent = SECONDS.setdefault(impl.name, [0, 0.0])
+        spent[0] += 1
+        spent[1] += time.perf_counter() - start
 
 
 def run(impl: Implementation, case, q, k, v, do=None, *, device=None) -> Result:
@@ -74,7 +123,8 @@ def run(impl: Implementation, case, q, k, v, do=None, *, device=None) -> Result:
     if impl.framework == "numpy":
         kw = kwargs_for(impl, case)
         qn, kn, vn = (x.astype(case.dtype) for x in (q, k, v))
-        o, lse = _split(impl, impl.fn(qn, kn, vn, **kw), impl.name)
+        o, lse = _split(impl, _call(impl, case, qn, kn, vn, **kw), impl.name)
+        _check_returned(impl, q, v, o, lse)
         res = Result(np.asarray(o, np.float64), None if lse is None else np.asarray(lse, np.float64),
                      dtype=str(np.asarray(o).dtype), lse_dtype="" if lse is None else str(np.asarray(lse).dtype))
         if do is not None:
@@ -98,7 +148,8 @@ def run(impl: Implementation, case, q, k, v, do=None, *, device=None) -> Result:
     sinks = kw.get("sinks")
     if sinks is not None:
         sinks.requires_grad_(do is not None)
-    o, lse = _split(impl, impl.fn(qt, kt, vt, **kw), impl.name)
+    o, lse = _split(impl, _call(impl, case, qt, kt, vt, **kw), impl.name)
+    _check_returned(impl, q, v, o, lse)
     res = Result(_np(o), None if lse is None else _np(lse), dtype=str(o.dtype).removeprefix("torch."),
                  lse_dtype="" if lse is None else str(lse.dtype).removeprefix("torch."))
     if do is not None:

@@ -6,7 +6,7 @@ for a kernel author reading a skip line: what was declared, and what the propert
 """
 from __future__ import annotations
 
-from impls import Implementation
+from flashcheck.impls import Implementation
 
 
 def _lengths_can_differ(i: Implementation) -> bool:
@@ -42,7 +42,7 @@ def _masked(i: Implementation) -> str | None:
 
 
 def _independent(i: Implementation) -> str | None:
-    from impls import numpy_ref
+    from flashcheck.impls import numpy_ref
 
     if i.fn is numpy_ref.dense_forward:
         return (f"{i.name} is the oracle's own code: comparing it with the truth is a tautology "

@@ -8,7 +8,7 @@ def dtype_name(x) -> str:
 
 
 def check_inputs(q, k, v, *, dtypes, who: str):
-    """Validate q, k, v against DESIGN.md's layout; return (B, Hq, Hkv, Sq, Sk, D, Dv)."""
+    """Validate q, k, v against docs/design.md's layout; return (B, Hq, Hkv, Sq, Sk, D, Dv)."""
     for label, x in (("q", q), ("k", k), ("v", v)):
         if getattr(x, "ndim", None) != 4:
             raise ValueError(f"{who}: {label} must have rank 4 (batch, heads, seq, dim), "
@@ -52,7 +52,7 @@ def alignment(causal) -> str | None:
 
 
 def offset(sq: int, sk: int, align: str | None) -> int:
-    """Query i sees key j iff j <= i + offset (DESIGN.md); None means every key is visible."""
+    """Query i sees key j iff j <= i + offset (docs/design.md); None means every key is visible."""
     return sk - sq if align == "bottom_right" else 0
 
 

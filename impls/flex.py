@@ -17,13 +17,13 @@ import warnings
 
 import torch
 
-from impls import implementation
-from impls.checks import alignment, check_features, check_inputs, offset
+from flashcheck.impls import implementation
+from flashcheck.impls.checks import alignment, check_features, check_inputs, offset
 
 try:
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 except ImportError as exc:  # torch < 2.5
-    raise ImportError(f"impls.flex needs torch.nn.attention.flex_attention: {exc}") from exc
+    raise ImportError(f"flashcheck.impls.flex needs torch.nn.attention.flex_attention: {exc}") from exc
 
 try:
     from torch.nn.attention.flex_attention import AuxRequest

@@ -11,8 +11,8 @@ import math
 
 import numpy as np
 
-from impls import implementation
-from impls.checks import alignment, check_blocks, check_inputs, offset
+from flashcheck.impls import implementation
+from flashcheck.impls.checks import alignment, check_blocks, check_inputs, offset
 
 DTYPES = ("float32", "float64")
 

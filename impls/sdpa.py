@@ -41,13 +41,13 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from impls import KnownIssue, implementation
-from impls.checks import alignment, check_features, check_inputs
+from flashcheck.impls import KnownIssue, implementation
+from flashcheck.impls.checks import alignment, check_features, check_inputs
 
 try:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 except ImportError as exc:  # torch < 2.3: no per-backend selection, so nothing to register honestly
-    raise ImportError(f"impls.sdpa needs torch.nn.attention.sdpa_kernel: {exc}") from exc
+    raise ImportError(f"flashcheck.impls.sdpa needs torch.nn.attention.sdpa_kernel: {exc}") from exc
 
 ALL_DTYPES = ("float64", "float32", "float16", "bfloat16")
 

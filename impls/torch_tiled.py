@@ -22,8 +22,8 @@ import math
 import torch
 from torch.autograd.function import once_differentiable
 
-from impls import counter_rng, implementation
-from impls.checks import alignment, check_blocks, check_features, check_inputs, offset
+from flashcheck.impls import counter_rng, implementation
+from flashcheck.impls.checks import alignment, check_blocks, check_features, check_inputs, offset
 
 WHO = "torch-tiled"
 DTYPES = ("float64", "float32", "float16", "bfloat16")
@@ -279,7 +279,7 @@ def attention(q, k, v, *, causal=False, scale=None, block_q=256, block_k=256, wi
     """Tiled FlashAttention. Returns O in the input dtype and LSE (float32 for fp16/bf16 inputs);
     differentiable in q, k, v and sinks.
 
-    causal: False, True (= "bottom_right"), "bottom_right" or "top_left" (DESIGN.md).
+    causal: False, True (= "bottom_right"), "bottom_right" or "top_left" (docs/design.md).
     scale: None means 1/sqrt(D); any float, 0.0 included, is used as given.
     block_q, block_k: tile sizes; any int >= 1 (large tiles are faster, memory is O(block_q * block_k)).
     window, softcap, alibi_slopes, sinks, dropout_p, dropout_seed: README, "Features".

@@ -45,9 +45,9 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from impls import implementation
-from impls.checks import alignment, check_inputs, dtype_name, offset
-from impls import triton_kernels as K
+from flashcheck.impls import implementation
+from flashcheck.impls.checks import alignment, check_inputs, dtype_name, offset
+from flashcheck.impls import triton_kernels as K
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DTYPES = ("float16", "float32") if INTERPRET else ("float16", "bfloat16", "float32")

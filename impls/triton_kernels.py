@@ -1,6 +1,6 @@
 """Triton kernels of the fused FlashAttention (forward, backward preprocess, dK/dV, dQ).
 
-Layout and semantics are DESIGN.md's: q (B, Hq, Sq, D), k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv);
+Layout and semantics are docs/design.md's: q (B, Hq, Sq, D), k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv);
 query head h reads key/value head h // G with G = Hq // Hkv.
 
 Visibility is a band: query i sees key j iff j <= i + OFF when CAUSAL and j >= i + LOFF when LEFT.

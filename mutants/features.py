@@ -13,8 +13,8 @@ import math
 
 import numpy as np
 
-from impls import counter_rng, implementation
-from impls.checks import alignment, check_blocks, check_features, check_inputs, offset
+from flashcheck.impls import counter_rng, implementation
+from flashcheck.impls.checks import alignment, check_blocks, check_features, check_inputs, offset
 
 BUGS = {
     "window_left_off_by_one": "window's left edge off by one (one key too few)",

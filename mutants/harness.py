@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from xml.etree import ElementTree
 
-from strategies.case import CASE_PATTERN
+from flashcheck.strategies.case import CASE_PATTERN
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS: list = []  # (spec, bug class, Verdict) of this session, for the table
@@ -55,7 +55,7 @@ def run_suite(spec: str, pins: bool = True, timeout: float = 600, files=FILES) -
     if proc.returncode not in (0, 1):
         raise RuntimeError(f"pytest could not run {spec} (exit {proc.returncode}):\n{out[-3000:]}")
     failed = re.search(r"^FAILED (\S+)", out, re.M)
-    cases = re.findall(f"case: ({CASE_PATTERN.pattern})", out)
+    cases = re.findall(f"case(?::| =) ({CASE_PATTERN.pattern})", out)
     return Verdict(spec, proc.returncode == 1, seconds, failed.group(1) if failed else "",
                    cases[-1] if cases else "", out)
 
@@ -86,7 +86,7 @@ def outcomes(specs, files, *args, pins: bool = True, timeout: float = 600) -> tu
 
 def parse(case_repr: str):
     """The AttentionCase a report printed."""
-    from strategies import AttentionCase
+    from flashcheck import AttentionCase
 
     return eval(case_repr, {"AttentionCase": AttentionCase})
 

@@ -16,9 +16,9 @@ import math
 import numpy as np
 import torch
 
-from impls import implementation
-from impls.checks import alignment, check_inputs, offset
-from impls.rounding import round_to
+from flashcheck import implementation
+from flashcheck.impls.checks import alignment, check_inputs, offset
+from flashcheck.impls.rounding import round_to
 
 BUGS = {
     "o_accumulated_in_half": "O accumulated in the input type across key tiles",

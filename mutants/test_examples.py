@@ -56,7 +56,7 @@ def test_a_correct_plugin_declaring_its_limits_passes_the_whole_suite(examples, 
 
 def test_the_deterministic_example_is_checked_for_determinism(examples):
     results, _ = examples
-    assert results["properties.test_invariance::test_repeated_calls_on_one_input_are_bitwise_identical"
+    assert results["flashcheck.properties.test_invariance::test_repeated_calls_on_one_input_are_bitwise_identical"
                    "[sdpa-causal-only]"] == ("passed", "")
 
 

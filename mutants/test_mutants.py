@@ -26,8 +26,8 @@ MUTANTS += PRECISION
 # main suite already, so repeating them here through the harness is opt-in (slow).
 CORRECT = ["mutants/tiled.py:correct", "mutants/features.py:correct",
            pytest.param("mutants/precision.py:correct", id="precision-correct"),
-           pytest.param("impls.numpy_ref:tiled_forward", marks=pytest.mark.slow),
-           pytest.param("impls.triton_fused:attention", marks=pytest.mark.slow)]
+           pytest.param("flashcheck.impls.numpy_ref:tiled_forward", marks=pytest.mark.slow),
+           pytest.param("flashcheck.impls.triton_fused:attention", marks=pytest.mark.slow)]
 RESULTS = harness.RESULTS
 
 

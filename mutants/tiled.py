@@ -13,8 +13,8 @@ import math
 
 import numpy as np
 
-from impls import implementation
-from impls.checks import alignment, check_blocks, check_inputs, offset
+from flashcheck import implementation
+from flashcheck.impls.checks import alignment, check_blocks, check_inputs, offset
 
 BUGS = {
     "rescale_skipped": "online-softmax rescale skipped",

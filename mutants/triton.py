@@ -6,7 +6,7 @@ FEATURE_BUGS break the optional features (window, softcap, ALiBi, sinks). The pr
 reaches them only where triton-fused declares those features; until then
 properties/test_triton_features.py kills each of them with its own dense float64 check.
 """
-from impls import triton_fused
+from flashcheck.impls import triton_fused
 
 BUGS = {
     "no_rescale": "online-softmax rescale skipped (Triton)",

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from impls import KnownIssue, implementation
-from impls.checks import check_inputs
+from flashcheck import KnownIssue, implementation
+from flashcheck.impls.checks import check_inputs
 
 DTYPES = ("float32", "float64")
 
@@ -120,7 +120,7 @@ def _with_ulp_noise(fn, name):
 
 
 def _example(spec):
-    from impls import load
+    from flashcheck import load
 
     return load(str(Path(__file__).resolve().parent.parent / "examples" / spec)).fn
 

@@ -1,12 +1,12 @@
-"""Short helpers the property tests share. Import as ``from properties import helpers as ph``."""
+"""Short helpers the property tests share. Import as ``from flashcheck.properties import helpers as ph``."""
 from __future__ import annotations
 
 import numpy as np
 from hypothesis import example
 
-from impls import call
-from strategies import REGIMES, AttentionCase as Case
-from strategies.draw import DEFAULT_DTYPES as DTYPES
+from flashcheck.impls import call
+from flashcheck.strategies import REGIMES, AttentionCase as Case
+from flashcheck.strategies.draw import DEFAULT_DTYPES as DTYPES
 
 RESULTS = ("o", "lse", "dq", "dk", "dv")
 

@@ -1,12 +1,12 @@
 """How much the oracle can see: which perturbations of a correct result it rejects.
 
 For every dtype and logit regime, cases are drawn; the output of a correct fused kernel (the
-rounding model, impls/rounding.py) is perturbed, and ``oracle.compare`` must reject it. A
+rounding model, impls/rounding.py) is perturbed, and ``flashcheck.oracle.compare`` must reject it. A
 perturbation counts only where its effect is at least 4x that correct kernel's largest error
 and at least 2 ulps, as issue 8 asks; the rate is rejections over counted cases. The correct
 kernel itself, and torch-tiled, must never be rejected.
 
-    python -m properties.oracle_power [N] [--old PATH]   # the table; --old scores another oracle.py
+    python -m flashcheck.properties.oracle_power [N] [--old PATH]   # the table; --old scores another oracle.py
 
 properties/test_oracle_power.py asserts the rates on a smaller sample in CI.
 """
@@ -19,8 +19,8 @@ from collections import defaultdict
 
 import numpy as np
 
-import oracle as orc_new
-from strategies import REGIMES, AttentionCase
+from flashcheck import oracle as orc_new
+from flashcheck.strategies import REGIMES, AttentionCase
 
 GRADS = ("dq", "dk", "dv")
 
@@ -113,8 +113,8 @@ def score(orc, dtypes=("float16", "bfloat16", "float32"), n=40, long=True, corre
 
 
 def torch_tiled(case):
-    from impls import call, torch_tiled as tt  # noqa: F401  (registers torch-tiled)
-    from impls import REGISTRY
+    from flashcheck.impls import call, torch_tiled as tt  # noqa: F401  (registers torch-tiled)
+    from flashcheck.impls import REGISTRY
 
     res = call.run(REGISTRY["torch-tiled"], case, *case.inputs())
     return {n: getattr(res, n) for n in orc_new.RESULTS}

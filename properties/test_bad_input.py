@@ -7,9 +7,9 @@ about that thing, and a kernel that refuses everything cannot pass.
 import numpy as np
 import pytest
 
-import strategies as fs
-from impls import call
-from strategies import AttentionCase as Case
+from flashcheck import strategies as fs
+from flashcheck.impls import call
+from flashcheck.strategies import AttentionCase as Case
 
 pytestmark = [pytest.mark.properties, pytest.mark.input_validation]
 

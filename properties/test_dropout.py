@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 from hypothesis import assume, example, given, note, settings
 
-import oracle as orc
-import strategies as fs
-from impls import call, numpy_ref
-from properties import helpers as ph
-from strategies import AttentionCase as Case
+from flashcheck import oracle as orc
+from flashcheck import strategies as fs
+from flashcheck.impls import call, numpy_ref
+from flashcheck.properties import helpers as ph
+from flashcheck.strategies import AttentionCase as Case
 
 pytestmark = pytest.mark.properties
 

@@ -3,10 +3,10 @@ passes a pinned case with every feature on (the full suite runs it with --impl).
 import numpy as np
 import pytest
 
-import oracle as orc
-from impls import load
-from properties import helpers as ph
-from strategies import AttentionCase as Case
+from flashcheck import oracle as orc
+from flashcheck import load
+from flashcheck.properties import helpers as ph
+from flashcheck.strategies import AttentionCase as Case
 
 pytestmark = pytest.mark.properties
 

@@ -7,10 +7,10 @@ import pytest
 from hypothesis import HealthCheck, Phase, example, find, given, settings
 from hypothesis import strategies as st
 
-import strategies as fs
-from impls import implementation
-from strategies import AttentionCase as Case
-from strategies.features import DROPOUTS, geometric_slopes
+from flashcheck import strategies as fs
+from flashcheck import implementation
+from flashcheck.strategies import AttentionCase as Case
+from flashcheck.strategies.features import DROPOUTS, geometric_slopes
 
 pytestmark = pytest.mark.properties
 

@@ -5,12 +5,12 @@ it slow there); ``pytest -m properties --impl flex`` runs every property on it.
 """
 import pytest
 
-import oracle as orc
-import strategies as fs
-from properties import helpers as ph
-from strategies import AttentionCase as Case
+from flashcheck import oracle as orc
+from flashcheck import strategies as fs
+from flashcheck.properties import helpers as ph
+from flashcheck.strategies import AttentionCase as Case
 
-flex = pytest.importorskip("impls.flex")
+flex = pytest.importorskip("flashcheck.impls.flex")
 pytestmark = pytest.mark.properties
 
 CASES = [

@@ -4,11 +4,11 @@ import pytest
 from hypothesis import assume, example, given, note
 from hypothesis import strategies as st
 
-import oracle as orc
-import strategies as fs
-from impls import call
-from properties import helpers as ph
-from strategies import AttentionCase as Case
+from flashcheck import oracle as orc
+from flashcheck import strategies as fs
+from flashcheck.impls import call
+from flashcheck.properties import helpers as ph
+from flashcheck.strategies import AttentionCase as Case
 
 pytestmark = pytest.mark.properties
 

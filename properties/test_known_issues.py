@@ -3,9 +3,9 @@ import re
 
 import pytest
 
-import oracle as orc
-import strategies as fs
-from properties import helpers as ph
+from flashcheck import oracle as orc
+from flashcheck import strategies as fs
+from flashcheck.properties import helpers as ph
 
 pytestmark = pytest.mark.properties
 

@@ -7,8 +7,6 @@ matrix (256 MiB) and that doubling the length less than triples it (quadratic wo
 """
 import pytest
 
-from bench.memory import LENGTHS, measure
-
 pytestmark = pytest.mark.properties
 
 BUDGET = 0.10  # of one float32 Sq x Sk matrix, at the longest length
@@ -27,6 +25,8 @@ def _check(rows, where):
 
 
 def test_cpu_forward_backward_memory_is_linear():  # ~7 s on an idle 2-core machine: four fresh processes
+    from bench.memory import LENGTHS, measure  # the checkout's instrument (not installed with the package)
+
     rows = [(n, measure("torch-tiled", n)["peak_extra"]) for n in LENGTHS]
     _check(rows, "CPU, peak RSS")
 
@@ -34,6 +34,8 @@ def test_cpu_forward_backward_memory_is_linear():  # ~7 s on an idle 2-core mach
 @pytest.mark.slow
 def test_cpu_instrument_sees_quadratic_memory():
     """The control: the same measurement must see SDPA math's Sq x Sk matrices."""
+    from bench.memory import measure
+
     small, large = (measure("sdpa-math", n)["peak_extra"] for n in (1024, 2048))
     print(f"\nsdpa-math peak extra: {small / 2**20:.1f} MiB at 1024, {large / 2**20:.1f} MiB at 2048")
     assert large >= 4 * 2048 * 2048, "the instrument missed a dense Sq x Sk float32 matrix"
@@ -45,7 +47,8 @@ def test_cuda_forward_backward_memory_is_linear():
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from impls.torch_tiled import attention
+    from bench.memory import LENGTHS
+    from flashcheck.impls.torch_tiled import attention
 
     rows = []
     for n in LENGTHS:

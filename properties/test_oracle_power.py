@@ -4,9 +4,9 @@ import functools
 import numpy as np
 import pytest
 
-import oracle as orc
-from properties import oracle_power as op
-from strategies import AttentionCase as Case
+from flashcheck import oracle as orc
+from flashcheck.properties import oracle_power as op
+from flashcheck.strategies import AttentionCase as Case
 
 pytestmark = pytest.mark.properties
 GROSS = ("zero", "negated", "one row", "one key", "all scaled")

@@ -6,10 +6,16 @@ from pathlib import Path
 
 import pytest
 
-from impls import ContractError, KnownIssue, builtin, builtins, implementation, load
+from flashcheck.impls import ContractError, KnownIssue, builtin, builtins, implementation, load
 
 pytestmark = pytest.mark.properties
 ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def _in_the_checkout(monkeypatch):
+    """Specs below are relative to the checkout, wherever pytest was started."""
+    monkeypatch.chdir(ROOT)
 
 
 def _pytest(*args, env=None):
@@ -20,7 +26,7 @@ def _pytest(*args, env=None):
 
 def test_load_by_file_and_by_module_give_the_declared_record():
     by_file = load("examples/numpy_rowwise.py:attention")
-    by_module = load("impls.numpy_ref:tiled_forward")
+    by_module = load("flashcheck.impls.numpy_ref:tiled_forward")
     assert by_file.name == "numpy-rowwise" and by_file.framework == "numpy"
     assert by_module.name == "numpy-tiled" and by_module.blocks == "any"
     assert load("numpy-dense").name == "numpy-dense"  # a built-in by its name
@@ -29,7 +35,7 @@ def test_load_by_file_and_by_module_give_the_declared_record():
 @pytest.mark.parametrize("spec,words", [
     ("nowhere/missing.py:attention", "no such file"),
     ("examples/numpy_rowwise.py:nope", "has no attribute 'nope'"),
-    ("impls.checks:check_inputs", "not decorated"),
+    ("flashcheck.impls.checks:check_inputs", "not decorated"),
     ("no_such_module_xyz:f", "cannot import module"),
     ("examples/numpy_rowwise.py", "expected FILE.py:function"),
     ("no-such-builtin", "not a built-in implementation"),
@@ -74,7 +80,7 @@ def test_a_plugin_declaring_nothing_runs_with_the_defaults():
 
 def test_repeated_impl_and_the_environment_select_the_same_implementations():
     args = ["-m", "properties", "-q", "--collect-only", "properties/test_forward.py"]
-    both = _pytest(*args, "--impl", "examples/numpy_rowwise.py:attention", "--impl", "impls.numpy_ref:dense_forward")
+    both = _pytest(*args, "--impl", "examples/numpy_rowwise.py:attention", "--impl", "flashcheck.impls.numpy_ref:dense_forward")
     env = _pytest(*args, env={"FLASHCHECK_IMPL": "examples/numpy_rowwise.py:attention,impls.numpy_ref:dense_forward"})
     for run in (both, env):
         assert "[numpy-rowwise]" in run.stdout and "[numpy-dense]" in run.stdout, run.stdout[-2000:]
@@ -95,8 +101,8 @@ def test_head_dims_may_be_a_range_a_stepped_range_or_a_set():
 
 
 def test_a_kernel_without_a_scale_argument_is_called_without_one():
-    from properties import helpers as ph
-    from strategies import AttentionCase, fit
+    from flashcheck.properties import helpers as ph
+    from flashcheck.strategies import AttentionCase, fit
 
     @implementation(name="no-scale", dtypes=("float64",), scale_arg=False, register=False)
     def no_scale(q, k, v, *, causal=False):
@@ -124,15 +130,15 @@ def test_each_builtin_implementation_loads_here_or_says_why(name):
 
 
 def test_a_builtin_module_that_fails_to_import_is_reported_with_its_error():
-    names, unavailable = builtin.load_modules([("impls.numpy_ref", ["numpy-dense"]),
-                                               ("impls.no_such_module_here", ["ghost-a", "ghost-b"])])
+    names, unavailable = builtin.load_modules([("flashcheck.impls.numpy_ref", ["numpy-dense"]),
+                                               ("flashcheck.impls.no_such_module_here", ["ghost-a", "ghost-b"])])
     assert names == ["numpy-dense"]
     assert set(unavailable) == {"ghost-a", "ghost-b"}
     assert "ModuleNotFoundError" in unavailable["ghost-a"] and "no_such_module_here" in unavailable["ghost-a"]
 
 
 def test_a_failed_sdpa_probe_says_why():
-    sdpa = pytest.importorskip("impls.sdpa")
+    sdpa = pytest.importorskip("flashcheck.impls.sdpa")
     from torch.nn.attention import SDPBackend
 
     assert sdpa.probe(SDPBackend.MATH) is None

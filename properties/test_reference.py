@@ -11,8 +11,8 @@ import pytest
 import torch
 from hypothesis import given
 
-import strategies as fs
-from impls import numpy_ref
+from flashcheck import strategies as fs
+from flashcheck.impls import numpy_ref
 
 pytestmark = pytest.mark.properties
 

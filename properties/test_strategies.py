@@ -4,9 +4,9 @@ import pytest
 from hypothesis import HealthCheck, Phase, assume, find, given, settings
 from hypothesis import strategies as st
 
-import oracle as orc
-import strategies as fs
-from strategies import AttentionCase as Case
+from flashcheck import oracle as orc
+from flashcheck import strategies as fs
+from flashcheck.strategies import AttentionCase as Case
 
 pytestmark = pytest.mark.properties
 
@@ -103,7 +103,7 @@ def test_inputs_are_exact_in_the_case_dtype_and_replay_bit_for_bit(case):
 
 def _declared():
     """Built-ins, the examples, and one kernel that declares every limit at once."""
-    from impls import builtins, implementation, load
+    from flashcheck.impls import builtins, implementation, load
 
     narrow = implementation(name="narrow", causal="bottom_right", causal_only=True, head_dims=range(4, 33, 4),
                             min_seq=3, max_seq=20, seq_multiple=3, gqa=False, blocks=(16, 32), masked_rows=False,
@@ -166,7 +166,7 @@ def test_a_per_tile_bug_shrinks_to_the_smallest_tile_that_shows_it():
     import re
 
     from mutants import tiled
-    from properties import test_forward
+    from flashcheck.properties import test_forward
 
     inner = test_forward.test_output_matches_dense_float64.hypothesis.inner_test
     prop = settings(phases=[Phase.generate, Phase.shrink], database=None, derandomize=True,
@@ -220,7 +220,7 @@ def test_long_region_reaches_2048():
 
 
 def test_every_numeric_property_pins_every_dtype_and_regime_pair():
-    from properties import test_backward, test_forward, test_invariance
+    from flashcheck.properties import test_backward, test_forward, test_invariance
 
     numeric = [test_forward.test_output_matches_dense_float64, test_forward.test_lse_is_natural_log_sum_exp_of_scaled_logits,
                test_forward.test_output_lies_within_the_visible_values, test_backward.test_gradients_match_analytic_float64,
@@ -234,7 +234,7 @@ def test_every_numeric_property_pins_every_dtype_and_regime_pair():
 def test_a_long_case_is_not_drawn_for_a_kernel_without_half_precision():
     from hypothesis.errors import UnsatisfiedAssumption
 
-    from impls import builtins
+    from flashcheck.impls import builtins
 
     impl = {i.name: i for i in builtins()}["numpy-tiled"]  # float32 and float64 only
 

@@ -7,7 +7,7 @@ own machinery, on shapes chosen to cover every branch of the tile loops.
 import pytest
 import torch
 
-from impls.torch_tiled import attention
+from flashcheck.impls.torch_tiled import attention
 
 pytestmark = pytest.mark.properties
 

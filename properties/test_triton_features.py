@@ -20,10 +20,10 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
-import oracle as orc  # noqa: E402
-from impls import triton_fused as tf  # noqa: E402
+from flashcheck import oracle as orc  # noqa: E402
+from flashcheck.impls import triton_fused as tf  # noqa: E402
 from mutants import triton as triton_mutants  # noqa: E402
-from strategies.case import EPS  # noqa: E402
+from flashcheck.strategies.case import EPS  # noqa: E402
 
 DEVICE = "cpu" if tf.INTERPRET else "cuda"
 pytestmark = [pytest.mark.interpreter if tf.INTERPRET else pytest.mark.gpu,

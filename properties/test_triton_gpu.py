@@ -24,7 +24,7 @@ DTYPES = ("float16", "bfloat16")
 
 
 def _tf():
-    from impls import triton_fused
+    from flashcheck.impls import triton_fused
     if triton_fused.INTERPRET:
         pytest.skip("TRITON_INTERPRET=1 runs the kernels on CPU tensors")
     return triton_fused
@@ -46,7 +46,7 @@ def _run(tf, q, k, v, do, **kw):
 
 
 def _dense64(q, k, v, do, causal, scale):
-    from impls import numpy_ref
+    from flashcheck.impls import numpy_ref
     qn, kn, vn, don = (x.double().cpu().numpy() for x in (q, k, v, do))
     o, lse = numpy_ref.dense_forward(qn, kn, vn, causal=causal, scale=scale)
     return (o, lse) + numpy_ref.dense_backward(qn, kn, vn, o, lse, don, causal=causal, scale=scale)

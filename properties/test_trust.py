@@ -8,12 +8,12 @@ into a message) is checked through pytest itself in mutants/test_examples.py.
 import pytest
 from hypothesis.errors import UnsatisfiedAssumption
 
-import strategies as fs
-from impls import capabilities, implementation, load
+from flashcheck import strategies as fs
+from flashcheck.impls import capabilities, implementation, load
 from mutants import untrusted as ut
-from properties import helpers as ph
-from properties import test_backward, test_bad_input, test_forward, test_invariance, test_known_issues
-from strategies import AttentionCase as Case
+from flashcheck.properties import helpers as ph
+from flashcheck.properties import test_backward, test_bad_input, test_forward, test_invariance, test_known_issues
+from flashcheck.strategies import AttentionCase as Case
 
 pytestmark = pytest.mark.properties
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields, replace
 
 import numpy as np
 
-from impls.rounding import PRECISIONS
+from flashcheck.impls.rounding import PRECISIONS
 
 REGIMES = ("plain", "large", "negative", "equal", "dominant", "ties", "heavy")
 ALIGNMENTS = (None, "bottom_right", "top_left")

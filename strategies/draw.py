@@ -12,8 +12,8 @@ import math
 from hypothesis import currently_in_test_context, note, reject, settings
 from hypothesis import strategies as st
 
-from strategies.case import REGIMES, AttentionCase
-from strategies.features import feature_fields, fit_features
+from flashcheck.strategies.case import REGIMES, AttentionCase
+from flashcheck.strategies.features import feature_fields, fit_features
 
 # How large cases get, by Hypothesis profile; "default" also covers unknown profiles.
 LIMITS = {
@@ -142,7 +142,7 @@ def _nearest(value, allowed):
 
 
 LAST_FITTED: list = [None]  # (impl, case) of the latest fit: the case a failure report shows
-PINS: list = [frozenset()]  # the running test's @example cases (conftest sets it)
+PINS: list = [frozenset()]  # the running test's @example cases (the pytest plugin sets it)
 PIN_REPORTS: list[str] = []  # pins that were refitted or not run, reported after the test
 LAST_REFUSAL: list = [None]  # why the latest case was rejected: shown when no case fits at all
 

@@ -85,7 +85,7 @@ def feature_fields(draw, features, *, batch: int, hq: int, seq: int) -> dict:
 
 def fit_features(impl, case):
     """Turn off every feature ``impl`` does not declare."""
-    from strategies.case import FEATURES_OFF
+    from flashcheck.strategies.case import FEATURES_OFF
 
     off = {}
     for feature, fields in (("window", ("window",)), ("softcap", ("softcap",)), ("alibi", ("alibi",)),

@@ -1,4 +1,4 @@
-"""Hypothesis profiles, registered in one place and loaded by conftest.py.
+"""Hypothesis profiles, registered in one place and loaded by the pytest plugin (flashcheck/plugin.py).
 
 Pick one with ``--hypothesis-profile NAME`` or ``FLASHCHECK_PROFILE=NAME``; ``ci`` loads
 by itself when the CI environment variable is set. FLASHCHECK_SKIP_EXAMPLES=1 drops the
@@ -37,5 +37,18 @@ def default_profile() -> str:
     return "ci" if os.environ.get("CI") else "default"
 
 
-_profile = default_profile()
-settings.load_profile(without_pins(_profile) if os.environ.get("FLASHCHECK_SKIP_EXAMPLES") else _profile)
+NAMES = ("default", "ci", "gpu", "thorough")
+
+
+def load(name: str) -> None:
+    """Load profile ``name`` (minus the pins when FLASHCHECK_SKIP_EXAMPLES is set); a clear error if unknown."""
+    if name.removesuffix("-nopins") not in NAMES:
+        raise ValueError(f"unknown Hypothesis profile {name!r}; flashcheck registers {', '.join(NAMES)} "
+                         "(--hypothesis-profile NAME or FLASHCHECK_PROFILE=NAME)")
+    settings.load_profile(without_pins(name) if os.environ.get("FLASHCHECK_SKIP_EXAMPLES") else name)
+
+
+# Loaded on import so that a bare ``python -c`` sees the same settings as pytest; an unknown
+# name is left for the pytest plugin to refuse with one line (an import must not fail on it).
+if default_profile() in NAMES:
+    load(default_profile())

@@ -39,9 +39,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from impls import numpy_ref
-from impls.rounding import HALF, Precision, fused
-from strategies.case import EPS, AttentionCase, quantize
+from flashcheck.impls import numpy_ref
+from flashcheck.impls.rounding import HALF, Precision, fused
+from flashcheck.strategies.case import EPS, AttentionCase, quantize
 
 RESULTS = ("o", "lse", "dq", "dk", "dv")
 # Variance of a rounding error bounded by w: uniform on [-h, h] with h/w spread as the position of

@@ -1,0 +1,119 @@
+"""Shrinking from a failing pinned ``@example``.
+
+Hypothesis runs the pins first and, when one fails, reports it as it is: a boundary case
+chosen by hand (``sq=6, sk=6, block_q=3, block_k=3``), not the smallest case that fails.
+Here the property is re-run on simpler and simpler cases, one field at a time, keeping
+each change that still fails the same way, so the report leads with the smallest case
+reached (and names the pin it came from).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from flashcheck.strategies import AttentionCase
+
+BUDGET_S = 30.0  # shrinking is a courtesy on top of a failure already found: keep it bounded
+MAX_TRIES = 200
+_ONCE = settings(database=None, max_examples=1, phases=[Phase.generate], derandomize=True, deadline=None,
+                 report_multiple_bugs=False, suppress_health_check=list(HealthCheck))
+
+
+@dataclass
+class PinShrink:
+    pin: AttentionCase  # the pinned case that failed
+    case: AttentionCase  # the smallest failing case reached from it (as drawn; the test fits it)
+    error: BaseException  # what the property raised on ``case``
+    tries: int
+
+
+def _is_explicit(exc: BaseException) -> bool:
+    notes = [*getattr(exc, "__notes__", ())]
+    for sub in getattr(exc, "exceptions", ()):
+        notes += [*getattr(sub, "__notes__", ())]
+    # "Falsifying explicit example" up to Hypothesis 6.16x, "Failing explicit example" after
+    return any(n.startswith(("Falsifying explicit example", "Failing explicit example")) for n in notes)
+
+
+def _run(inner, kwargs) -> BaseException | None:
+    """Run the property once on exactly these arguments, inside Hypothesis (note/reject work)."""
+    @_ONCE
+    @given(st.just(kwargs))
+    def once(kw):
+        inner(**kw)
+
+    try:
+        once()
+    except Exception as exc:  # noqa: BLE001  (any failure of the property counts)
+        return exc
+    return None
+
+
+def simpler(c: AttentionCase):
+    """Cases one step plainer than ``c``, plainest first."""
+    group = c.hq // c.hkv
+    steps = [dict(batch=1), dict(hq=c.hkv), dict(hkv=1, hq=group), dict(hkv=1, hq=1)]
+    for field in ("sq", "sk", "d"):
+        n = getattr(c, field)
+        steps += [{field: m} for m in (1, n // 2, n - 1) if 1 <= m < n]
+    steps += [dict(dv=c.d)] + [dict(dv=m) for m in (1, c.dv // 2, c.dv - 1) if 1 <= m < c.dv]
+    steps += [dict(causal=None), dict(scale=None), dict(dtype="float64"), dict(dtype="float32"),
+              dict(regime="plain"), dict(seed=0)]
+    steps += [dict(window=None), dict(softcap=0.0), dict(alibi=None), dict(sinks=None), dict(dropout_p=0.0)]
+    for field in ("block_q", "block_k"):
+        n = getattr(c, field)
+        steps += [{field: 16}] + [{field: m} for m in (1, n // 2, n - 1) if 1 <= m < n]
+    for change in steps:
+        try:
+            cand = c.replace(**change)
+        except ValueError:
+            continue
+        if cand != c and _size(cand) <= _size(c):
+            yield cand
+
+
+def _size(c: AttentionCase):
+    """An order in which shrinking only ever moves down."""
+    plain = (c.causal is not None, c.scale is not None, c.dtype != "float64", c.regime != "plain", c.seed != 0,
+             *(f in c.features for f in ("window", "softcap", "alibi", "sinks", "dropout")))
+    return (c.batch * c.hq * c.sq * c.sk * max(c.d, c.dv), c.batch, c.hq, c.hkv, c.sq + c.sk, c.d + c.dv,
+            sum(plain), abs(c.block_q - 16) + abs(c.block_k - 16), c.seed)
+
+
+def shrink_failing_pin(item, impl, exc: BaseException) -> PinShrink | None:
+    """When ``exc`` came from a pinned example of ``item``, the smallest failing case reached from it."""
+    if not _is_explicit(exc):
+        return None
+    test = getattr(item, "obj", None)
+    inner = getattr(getattr(test, "hypothesis", None), "inner_test", None)
+    pins = getattr(test, "hypothesis_explicit_examples", [])
+    if inner is None:
+        return None
+    base = {k: v for k, v in getattr(item, "funcargs", {}).items() if k in ("impl",)}
+    want = type(exc)
+    for pin in reversed(pins):  # the order Hypothesis runs them in
+        kwargs = {**base, **pin.kwargs, "impl": impl}
+        if not isinstance(kwargs.get("case"), AttentionCase):
+            continue
+        err = _run(inner, kwargs)
+        if isinstance(err, want):
+            break
+    else:
+        return None
+    start, tries, case = time.monotonic(), 0, kwargs["case"]
+    improved = True
+    while improved and tries < MAX_TRIES and time.monotonic() - start < BUDGET_S:
+        improved = False
+        for cand in simpler(case):
+            tries += 1
+            failure = _run(inner, {**kwargs, "case": cand})
+            if isinstance(failure, want):
+                case, err, improved = cand, failure, True
+                break
+            if tries >= MAX_TRIES:
+                break
+    err = _run(inner, {**kwargs, "case": case}) or err  # the last run's fit is the one reported
+    return PinShrink(pin=kwargs["case"], case=case, error=err, tries=tries)

@@ -1,0 +1,270 @@
+"""A failing kernel property, told in about 10 lines.
+
+    my-attn: test_output_matches_dense_float64 failed (o)
+      case = AttentionCase(sk=2, d=2, dv=2, seed=1)  # shrunk, fitted to my-attn
+      o[0, 0, 0, 1]: expected 0.148903, got -0.0861904 (error 2.35e-01, allowed 1.94e-15)
+      wrong o by query row (X wrong, . right): X
+      wrong in batch 0 of 1, heads 0 of 1, 2 of 2 value dims
+      replay: flashcheck replay /home/me/kernel/reproducers/test_output_matches_dense_float64-attention-a2510ecd
+      full message: .../failure.txt
+
+The case comes first, as code, exactly as the property saw it; then the worst entry; then
+where the wrong entries are (query rows for O, LSE and dQ; keys for dK and dV; ``|`` marks
+the implementation's tiles when it declares blocks); then the command that replays it.
+The whole message and traceback go to failure.txt in the reproducer folder, with a
+heatmap of the error (error.png) where matplotlib is installed.
+"""
+from __future__ import annotations
+
+import re
+import traceback
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import numpy as np
+
+from flashcheck.strategies import AttentionCase
+from flashcheck.strategies.case import CASE_PATTERN
+
+RESULTS = ("o", "lse", "dq", "dk", "dv", "dsinks")
+MAP_WIDTH = 96  # characters of a row/key map before positions are grouped
+
+
+def case_code(case: AttentionCase, impl) -> str:
+    """The case as code (its repr leaves out fields at their defaults); block sizes only for
+    kernels that take them."""
+    plain = AttentionCase()
+    return repr(case if impl.blocks is not None else case.replace(block_q=plain.block_q, block_k=plain.block_k))
+
+
+def _first_error(exc: BaseException) -> BaseException:
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return exc
+
+
+@dataclass
+class Entries:
+    """Entry-by-entry verdict on one result against dense float64 attention."""
+
+    name: str
+    want: np.ndarray
+    got: np.ndarray
+    err: np.ndarray
+    limit: np.ndarray
+    wrong: np.ndarray
+
+
+def check_entries(case, name, got) -> Entries:
+    """Each entry of ``got`` against the oracle's truth and bound for it.
+
+    Mirrors oracle.compare entry by entry (its per-entry bound; a non-finite entry where the
+    truth is finite, or the wrong infinity, is wrong).
+    """
+    from flashcheck import oracle as orc
+    from flashcheck.strategies import quantize
+
+    want = orc.truth(case)[name]
+    dtype = orc.result_dtype(case.dtype, name)
+    stored = quantize(want, dtype)
+    limit = np.broadcast_to(orc.allowed(case, name)[0], want.shape)
+    with np.errstate(invalid="ignore"):
+        err = np.where(np.isinf(stored), 0.0, np.abs(got - want))
+        wrong = ((np.isfinite(stored) & ~np.isfinite(got)) | (np.isinf(stored) & (got != stored))
+                 | (np.isfinite(stored) & ~(err <= limit)))
+    return Entries(name, want, got, err, limit, wrong)
+
+
+@dataclass
+class Failure:
+    impl: object
+    test: str
+    case: AttentionCase | None
+    error: BaseException
+    full_message: str
+    pin: AttentionCase | None = None  # the pinned @example the case was shrunk from
+    entries: Entries | None = None
+    params: str = ""  # the test's other parameters (e.g. which malformed input)
+
+    @classmethod
+    def of(cls, item, impl, exc: BaseException, pin=None) -> "Failure":
+        from flashcheck.strategies import draw as fs_draw
+
+        error = _first_error(pin.error if pin is not None else exc)
+        full = "".join(traceback.format_exception(exc))
+        if pin is not None:
+            full += f"\nshrunk from the pinned example {pin.pin!r} to {pin.case!r}:\n"
+            full += "".join(traceback.format_exception(pin.error))
+        named = CASE_PATTERN.findall(str(error))
+        last = fs_draw.LAST_FITTED[0]
+        case = None
+        if named:
+            case = eval(named[-1], {"AttentionCase": AttentionCase})
+        elif last is not None and last[0] is impl:
+            case = last[1]
+        params = "-".join(str(v) for k, v in getattr(getattr(item, "callspec", None), "params", {}).items()
+                          if k != "impl" and isinstance(v, (str, int, float)))
+        failure = cls(impl, item.name.split("[")[0], case, error, full, pin.pin if pin is not None else None,
+                      params=params)
+        if case is not None and isinstance(error, AssertionError):
+            failure.entries = _rerun(impl, case, str(error))
+        return failure
+
+    def render(self, where) -> str:
+        impl, err = self.impl, self.error
+        which = f" ({self.entries.name})" if self.entries is not None else ""
+        lines = [f"{impl.name}: {self.test} failed{which}"]
+        if self.case is None and self.params:
+            lines[0] += f" [{self.params}]"
+        if self.case is not None:
+            origin = "shrunk"
+            if self.pin is not None:
+                pinned = case_code(self.pin, impl)
+                origin = ("a pinned example, already minimal" if pinned == case_code(self.case, impl)
+                          else f"shrunk from the pinned example {pinned}")
+            lines.append(f"  case = {case_code(self.case, impl)}  # {origin}, fitted to {impl.name}")
+        if self.entries is not None:
+            lines += _describe(self.entries, self.case, impl)
+        else:
+            text = str(err).strip().splitlines()
+            head = text[0] if text else ""
+            own = isinstance(err, AssertionError) or type(err).__module__.startswith(("_pytest", "pytest"))
+            what = head if own else f"{impl.name} raised {type(err).__name__}: {head}"
+            lines.append(f"  {what[:400]}")
+            if own and len(text) > 1 and not text[1].strip().startswith("case:"):
+                lines.append(f"  {text[1].strip()[:200]}")
+        if where is not None:
+            lines.append(f"  replay: flashcheck replay {where}")
+            extra = ", error.png" if (where / "error.png").is_file() else ""
+            lines.append(f"  full message and traceback: {where / 'failure.txt'}{extra}")
+        return "\n".join(lines)
+
+
+class Text:
+    """A failure as pytest prints it: the short report, and its first line for the summary line."""
+
+    def __init__(self, text: str):
+        self.text = text
+        self.reprcrash = SimpleNamespace(message=text.splitlines()[0], path="", lineno=0)
+
+    def toterminal(self, out) -> None:
+        for line in self.text.splitlines():
+            out.line(line)
+
+    def __str__(self):
+        return self.text
+
+
+def _rerun(impl, case, message: str) -> Entries | None:
+    """Run the implementation again on the case and find the result the failure is about."""
+    from flashcheck.impls import call
+
+    if case.dropout_p > 0:  # the truth with dropout depends on the kernel's own mask: the message stands
+        return None
+
+    try:
+        q, k, v, do = case.inputs()
+        res = call.run(impl, case, q, k, v, do if impl.has_backward else None)
+    except Exception:  # noqa: BLE001  (the property's own message stands)
+        return None
+    named = re.search(rf"{re.escape(impl.name)}[^:\n]*?\b({'|'.join(RESULTS)}):", message)
+    order = ([named.group(1)] if named else []) + [n for n in RESULTS if not named or n != named.group(1)]
+    for name in order:
+        got = getattr(res, name)
+        if got is None:
+            continue
+        try:
+            entries = check_entries(case, name, got)
+        except Exception:  # noqa: BLE001  (a shape the oracle cannot hold: the message says so)
+            continue
+        if entries.wrong.any():
+            return entries
+    return None  # right against dense attention here: the property's own check is what failed
+
+
+def _fmt(x) -> str:
+    return f"{float(x):.6g}"
+
+
+def _describe(e: Entries, case, impl) -> list[str]:
+    ratio = np.where(e.wrong, np.where(np.isfinite(e.err), e.err / np.maximum(e.limit, 1e-300), np.inf), -1.0)
+    idx = tuple(int(i) for i in np.unravel_index(np.argmax(ratio), ratio.shape))
+    lines = [f"  {e.name}[{', '.join(map(str, idx))}]: expected {_fmt(e.want[idx])}, got {_fmt(e.got[idx])} "
+             f"(error {e.err[idx]:.3g}, allowed {e.limit[idx]:.3g}); {int(e.wrong.sum())} of {e.wrong.size} "
+             "entries wrong"]
+    if e.wrong.ndim < 3:  # the sinks' gradient: one entry per query head
+        return lines + [f"  wrong for query heads {_list(np.flatnonzero(e.wrong))} of {e.wrong.size}"]
+    keys = e.name in ("dk", "dv")
+    per_pos = e.wrong.any(axis=tuple(a for a in range(e.wrong.ndim) if a != 2))
+    block = (case.block_k if keys else case.block_q) if impl.blocks is not None else None
+    what = "key" if keys else "query row"
+    lines.append(f"  wrong {e.name} by {what} {_legend(len(per_pos), block)}: {_map(per_pos, block)}")
+    heads = np.flatnonzero(e.wrong.any(axis=tuple(a for a in range(e.wrong.ndim) if a != 1)))
+    batch = np.flatnonzero(e.wrong.any(axis=tuple(a for a in range(e.wrong.ndim) if a != 0)))
+    where = [f"batch {_list(batch)} of {e.wrong.shape[0]}", f"{'kv ' if keys else ''}heads {_list(heads)} of "
+             f"{e.wrong.shape[1]}"]
+    if e.wrong.ndim == 4:
+        dims = int(e.wrong.any(axis=(0, 1, 2)).sum())
+        where.append(f"{dims} of {e.wrong.shape[3]} {'value' if e.name in ('o', 'dv') else 'head'} dims")
+    if case.causal is not None:
+        shift = f" {'+' if case.offset >= 0 else '-'} {abs(case.offset)}" if case.offset else ""
+        where.append(f"causal {case.causal} (query i sees keys j <= i{shift})")
+    lines.append(f"  wrong in {', '.join(where)}")
+    return lines
+
+
+def _list(ix) -> str:
+    ix = [int(i) for i in ix]
+    return ", ".join(map(str, ix[:8])) + (", ..." if len(ix) > 8 else "")
+
+
+def _legend(n: int, block: int | None) -> str:
+    parts = ["X wrong, . right"]
+    if block and block < n:
+        parts.append(f"| every {block}")
+    group = -(-n // MAP_WIDTH)
+    if group > 1:
+        parts.append(f"one mark per {group}")
+    return f"({'; '.join(parts)})"
+
+
+def _map(per_pos: np.ndarray, block: int | None) -> str:
+    n = len(per_pos)
+    group = -(-n // MAP_WIDTH)
+    marks = ["X" if per_pos[i:i + group].any() else "." for i in range(0, n, group)]
+    if block and block < n and group == 1:
+        marks = ["|" + m if i and i % block == 0 else m for i, m in enumerate(marks)]
+    return "".join(marks)
+
+
+def heatmap(failure: Failure, path) -> bool:
+    """error / allowed over the worst (batch, head) slice, as a PNG, where matplotlib is installed."""
+    e = failure.entries
+    if e is None or e.err.ndim != 4:
+        return False
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    score = np.where(e.wrong, 1.0, 0.0).sum(axis=(2, 3))
+    b, h = np.unravel_index(np.argmax(score), score.shape)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.log10(np.where(np.isfinite(e.err[b, h]), e.err[b, h], 1e300) / np.maximum(e.limit[b, h], 1e-300))
+    fig, ax = plt.subplots(figsize=(6, 4))
+    im = ax.imshow(np.clip(ratio, -3, 6), cmap="magma", aspect="auto", interpolation="nearest")
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("value dim" if e.name in ("o", "dv") else "head dim")
+    ax.set_ylabel("key" if e.name in ("dk", "dv") else "query row")
+    ax.set_title(f"{failure.impl.name} {e.name}: log10(error / allowed), batch {b}, head {h}\n"
+                 f"{case_code(failure.case, failure.impl)}", fontsize=8)
+    fig.colorbar(im, ax=ax, label="> 0: wrong")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
