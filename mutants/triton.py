@@ -4,7 +4,7 @@ On a machine without CUDA they run in Triton's interpreter, so CPU CI kills them
 
 FEATURE_BUGS break the optional features (window, softcap, ALiBi, sinks). The property suite
 reaches them only where triton-fused declares those features; until then
-properties/test_triton_features.py kills each of them with its own dense float64 check.
+mutants/test_triton_features.py kills each of them with its own dense float64 check.
 """
 from flashcheck.impls import triton_fused
 

@@ -2,7 +2,7 @@
 
 Each one either is correct and was falsely failed by an older suite, or is broken in a way
 an older suite could not see (issue 9). They run as plug-ins, ``mutants/untrusted.py:<name>``,
-from properties/test_trust.py (in process) and mutants/test_examples.py (through pytest).
+from mutants/test_trust.py (in process) and mutants/test_examples.py (through pytest).
 """
 from __future__ import annotations
 
