@@ -62,7 +62,8 @@ def run_suite(spec: str, pins: bool = True, timeout: float = 600, files=FILES) -
 
 def outcomes(specs, files, *args, pins: bool = True, timeout: float = 600) -> tuple[dict, str]:
     """Run ``pytest -m properties`` on ``files`` for every spec at once (one process, the ci
-    profile) and return ({test id: (outcome, message)}, the whole output)."""
+    profile) and return ({test id: (outcome, message)}, the whole output). A failure's message
+    is the whole report a user reads (the plugin's short report), not only its first line."""
     with tempfile.TemporaryDirectory() as tmp:
         env = {**os.environ, "CI": "true", "FLASHCHECK_PROFILE": "ci", "FLASHCHECK_REPRO_DIR": tmp}
         for name in ("FLASHCHECK_IMPL", "FLASHCHECK_SKIP_EXAMPLES"):
@@ -80,7 +81,10 @@ def outcomes(specs, files, *args, pins: bool = True, timeout: float = 600) -> tu
         for case in ElementTree.parse(xml).iter("testcase"):
             test = f"{case.get('classname')}::{case.get('name')}"
             verdict = next((c for c in case if c.tag in ("failure", "error", "skipped")), None)
-            results[test] = ("passed", "") if verdict is None else (verdict.tag, verdict.get("message", ""))
+            message = "" if verdict is None else verdict.get("message", "")
+            if verdict is not None and verdict.tag in ("failure", "error"):
+                message = f"{message}\n{verdict.text or ''}"
+            results[test] = ("passed", "") if verdict is None else (verdict.tag, message)
     return results, out
 
 
