@@ -3,6 +3,8 @@
 Pick one with ``--hypothesis-profile NAME`` or ``FLASHCHECK_PROFILE=NAME``; ``ci`` loads
 by itself when the CI environment variable is set. FLASHCHECK_SKIP_EXAMPLES=1 drops the
 ``@example`` pins, so that only generated and shrunk cases can fail (the mutant test uses it).
+FLASHCHECK_RANDOMIZE=1 keeps a profile's settings but lifts its derandomization, so that
+``--hypothesis-seed N`` draws a different sample: how CI's profile is swept for false alarms.
 """
 import os
 
@@ -31,6 +33,13 @@ def without_pins(profile: str) -> str:
     return name
 
 
+def randomized(profile: str) -> str:
+    """The same profile, drawn from the run's seed instead of one fixed stream per test."""
+    name = f"{profile}-random"
+    settings.register_profile(name, settings.get_profile(profile), derandomize=False)
+    return name
+
+
 def default_profile() -> str:
     if os.environ.get("FLASHCHECK_PROFILE"):
         return os.environ["FLASHCHECK_PROFILE"]
@@ -38,4 +47,6 @@ def default_profile() -> str:
 
 
 _profile = default_profile()
+if os.environ.get("FLASHCHECK_RANDOMIZE"):
+    _profile = randomized(_profile)
 settings.load_profile(without_pins(_profile) if os.environ.get("FLASHCHECK_SKIP_EXAMPLES") else _profile)
