@@ -96,8 +96,11 @@ def _finite_gap(a, b) -> float:
 def _same(impl, case, other, what, drift=None):
     """``impl`` on ``other`` gives what it gives on ``case`` (up to twice the rounding allowed, plus the
     float64 difference ``drift`` of the two problems' truths)."""
-    names = ph.RESULTS if impl.has_backward else ("o", "lse")
-    run = ph.backward if impl.has_backward else ph.forward
+    # In Triton's CPU interpreter a backward costs seconds: that lane checks the relations on the
+    # forward (its gradients meet every feature in test_gradients_match_analytic_float64_with_features).
+    both = impl.has_backward and "interpreter" not in impl.tags
+    names = ph.RESULTS if both else ("o", "lse")
+    run = ph.backward if both else ph.forward
     a, b = run(impl, case), run(impl, other)
     for name in names:
         x, y = getattr(a, name), getattr(b, name)
