@@ -209,9 +209,10 @@ def fit(impl, case: AttentionCase) -> AttentionCase:
         reject()
     if c != case.replace(precision=impl.precision):  # a precision alone is not worth a note
         _note(f"fitted to {impl.name}: {c!r}")
-        _pin_report(case, "refitted: " + ", ".join(f"{f} {getattr(case, f)!r} -> {getattr(c, f)!r}"
-                                                 for f in FIELDS if f != "precision"
-                                                 and getattr(case, f) != getattr(c, f)))
+        changed = [f for f in FIELDS if getattr(case, f) != getattr(c, f) and f not in _incidental(case)]
+        if changed:
+            _pin_report(case, "refitted: " + ", ".join(f"{f} {getattr(case, f)!r} -> {getattr(c, f)!r}"
+                                                     for f in changed))
     for issue in impl.known_issues:
         if issue.applies(c):
             _pin_report(case, f"not run: known issue {issue.text!r}")
@@ -234,6 +235,11 @@ def _short(case: AttentionCase) -> str:
     plain = AttentionCase()
     return "Case(" + ", ".join(f"{f}={getattr(case, f)!r}" for f in FIELDS
                                if getattr(case, f) != getattr(plain, f)) + ")"
+
+
+def _incidental(case):
+    """Fields a pin leaves at their defaults are not what it is about: refitting them is no news."""
+    return {"precision"} | ({"dtype"} if case.dtype == AttentionCase.dtype else set())
 
 
 QUIET_PINS: set = set()  # pins written to cover a (dtype, regime) pair anywhere: refitting is their job
