@@ -287,8 +287,10 @@ def allowed(case: AttentionCase, name: str) -> tuple[np.ndarray, float]:
     t = truth(case)
     out_t = result_dtype(case.dtype, name)
     floor = half_spacing(t[name], out_t) * (1 + 2 * ULP_FLOOR)  # half an ulp to round, plus the floor
-    if case.precision == "naive" or name not in RESULTS:  # the sinks' gradient: the naive rule
+    if name not in RESULTS:  # the sinks' gradient: the naive rule
         return _naive_allowed(case)[name] + floor, 0.0
+    if case.precision == "naive":  # a naive kernel has the fused one's roundings too (subnormals included)
+        return _naive_allowed(case)[name] + _rounding_bounds(case)[name] + floor, 0.0
     if case.features:  # the rounding model emulates plain attention: its bounds stand alone
         # dropout scales the kept probabilities, and their rounding, by 1 / (1 - p)
         return _rounding_bounds(case)[name] / (1 - case.dropout_p) + floor, 0.0
@@ -371,8 +373,22 @@ def bias(case: AttentionCase, name: str, got: np.ndarray, want: np.ndarray):
     return out
 
 
+def _scaled_ds_subnormal(case) -> bool:
+    """Does scale * dS mostly sit among float16's subnormals? A kernel that rounds dS after the
+    scale then rounds most of it towards zero: a bias a correct kernel has (H200, scale 1e-6)."""
+    if case.dtype != "float16":
+        return False
+    pt = _parts(case)
+    dp = pt.do @ _swap(pt.v)
+    ds = np.abs(pt.scale * pt.p * (dp - (pt.do * pt.o).sum(-1, keepdims=True)))
+    ds = ds[pt.p > 0]  # p is 0 where masked
+    return ds.size > 0 and float(np.median(ds)) < 2.0 ** -14
+
+
 def check_bias(case, name, got, want, label=""):
     if case.dtype not in HALF or name not in ("o", "dq", "dk", "dv") or case.precision == "naive" or case.features:
+        return
+    if name in ("dq", "dk") and _scaled_ds_subnormal(case):
         return
     seen = bias(case, name, got, want)
     if seen is None:
