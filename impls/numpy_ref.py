@@ -271,4 +271,5 @@ implementation(name="numpy-dense", causal=("bottom_right", "top_left"), dtypes=D
                backward=dense_backward, gqa=True, lse=True, framework="numpy",
                window=True, softcap=True, alibi=True, sinks=True)(dense_forward)
 implementation(name="numpy-tiled", causal=("bottom_right", "top_left"), dtypes=DTYPES, devices=("cpu",),
-               backward=tiled_backward, gqa=True, lse=True, framework="numpy", blocks="any")(tiled_forward)
+               backward=tiled_backward, gqa=True, lse=True, framework="numpy", blocks="any",
+               deterministic=True)(tiled_forward)

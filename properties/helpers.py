@@ -6,6 +6,7 @@ from hypothesis import example
 
 from flashcheck.impls import call
 from flashcheck.strategies import REGIMES, AttentionCase as Case
+from flashcheck.strategies import draw as fs_draw
 from flashcheck.strategies.draw import DEFAULT_DTYPES as DTYPES
 
 RESULTS = ("o", "lse", "dq", "dk", "dv")
@@ -77,6 +78,7 @@ def every_dtype_and_regime(regimes=None, long=False, causal=True, **other):
 
 _ALL_PINS = frozenset(c for regimes in (None, ("equal",)) for causal in (True, False)
                       for c in cover_cases(regimes, True, causal))
+fs_draw.QUIET_PINS.update(_ALL_PINS)
 
 
 def repeat_differences(impl, case, calls: int = 2) -> list[str]:

@@ -45,13 +45,16 @@ def test_masked_positions_get_exactly_zero_gradient(impl, case):
                                    f"got {part[part != 0][:5]}\n  case: {case!r}")
 
 
-def central_differences(case, forward, grads):
-    """For q, k and v each, along its own random direction u: (name, numeric, analytic, allowed).
+def central_differences(case, forward, grads, sinks=None):
+    """For q, k and v (and the sink logits, when given) each, along its own random direction u:
+    (name, numeric, analytic, allowed).
 
     f(t) = sum(O(x + t u) * dO). The step balances the truncation error, at most
     (4/3) h^2 kappa^3 G (kappa: how fast the logits move along u; G: sum_i |dO_i| max_j |v_j|),
     against the rounding of f, about c eps (1 + L) G / h (L: the largest |q|.|k| logit). f is
-    linear in v, so v's derivative has only the rounding term. The bound is 4x that optimum.
+    linear in v, so v's derivative has only the rounding term. A softcap c bends the logits on
+    the scale of c: their derivatives along u grow by up to (1 + 1/c) each. A kept fraction
+    1 - p of dropout scales G by 1 / (1 - p). The bound is 4x the optimum.
     """
     q, k, v, do = case.inputs()
     rng = np.random.default_rng(case.seed + 1)
@@ -59,16 +62,19 @@ def central_differences(case, forward, grads):
     sc, eps = abs(case.effective_scale), np.finfo(np.float64).eps
     kk, vv = ph.kv_heads(case, k), ph.kv_heads(case, v)
     big_l = float((sc * np.abs(q) @ np.abs(np.swapaxes(kk, -1, -2))).max(initial=0))
-    g_size = float((np.abs(do) * np.abs(vv).max(axis=2, keepdims=True)).sum())
+    g_size = float((np.abs(do) * np.abs(vv).max(axis=2, keepdims=True)).sum()) / (1 - case.dropout_p)
+    bend = 1 + 1 / case.softcap if case.softcap else 1.0
+    xs = (q, k, v) if sinks is None else (q, k, v, sinks)
     out = []
-    for i, (name, x, grad) in enumerate(zip("qkv", (q, k, v), grads)):
+    for i, (name, x, grad) in enumerate(zip(("q", "k", "v", "sinks"), xs, grads)):
         u = rng.standard_normal(x.shape)
-        moved = [q, k, v]
+        moved = list(xs)
         ds = (sc * u @ np.swapaxes(kk, -1, -2) if name == "q" else
               sc * q @ np.swapaxes(ph.kv_heads(case, u), -1, -2) if name == "k" else np.zeros(1))
-        kappa = float(np.abs(np.where(vis, ds, 0)).max(initial=0)) if name != "v" else 0.0
+        kappa = (float(np.abs(u).max()) if name == "sinks" else
+                 bend * float(np.abs(np.where(vis, ds, 0)).max(initial=0)) if name != "v" else 0.0)
         size = g_size + (float((np.abs(do) * np.abs(ph.kv_heads(case, u)).max(axis=2, keepdims=True)).sum())
-                         if name == "v" else 0.0)
+                         / (1 - case.dropout_p) if name == "v" else 0.0)
         a, b = 4 / 3 * kappa ** 3 * size, 64 * eps * (1 + big_l) * size
         h = (b / (2 * a)) ** (1 / 3) if a > 0 else 1.0
         h = min(h, 1.0)

@@ -16,6 +16,7 @@ from flashcheck import oracle as orc
 from flashcheck import strategies as fs
 from flashcheck.impls import call, numpy_ref
 from flashcheck.properties import helpers as ph
+from flashcheck.properties.test_backward import central_differences
 from flashcheck.strategies import AttentionCase as Case
 
 pytestmark = pytest.mark.properties
@@ -96,8 +97,12 @@ def _finite_gap(a, b) -> float:
 def _same(impl, case, other, what, drift=None):
     """``impl`` on ``other`` gives what it gives on ``case`` (up to twice the rounding allowed, plus the
     float64 difference ``drift`` of the two problems' truths)."""
-    names = ph.RESULTS if impl.has_backward else ("o", "lse")
-    run = ph.backward if impl.has_backward else ph.forward
+    # In Triton's CPU interpreter a backward costs seconds: that lane checks the relations on the
+    # forward (its gradients meet every feature in test_gradients_match_analytic_float64_with_features).
+    assume(not any(issue.applies(other) for issue in impl.known_issues))  # declared, reported elsewhere
+    both = impl.has_backward and "interpreter" not in impl.tags
+    names = ph.RESULTS if both else ("o", "lse")
+    run = ph.backward if both else ph.forward
     a, b = run(impl, case), run(impl, other)
     for name in names:
         x, y = getattr(a, name), getattr(b, name)
@@ -195,23 +200,15 @@ def test_reference_backward_with_every_feature_agrees_with_central_differences(c
     sinks = None if sinks is None else sinks.astype(np.float64)
     o, lse = numpy_ref.dense_forward(q, k, v, sinks=sinks, **kw)
     grads = numpy_ref.dense_backward(q, k, v, o, lse, do, sinks=sinks, **kw)
-    rng = np.random.default_rng(case.seed + 1)
-    xs = (q, k, v) if sinks is None else (q, k, v, sinks)
-    dirs = [rng.standard_normal(x.shape) for x in xs]
 
-    def f(t):
-        moved = [x + t * u for x, u in zip(xs, dirs)]
-        extra = {} if sinks is None else {"sinks": moved[3]}
-        return float((numpy_ref.dense_forward(*moved[:3], **kw, **extra)[0] * do).sum())
+    def forward(q, k, v, sinks=None):
+        return numpy_ref.dense_forward(q, k, v, **kw, **({} if sinks is None else {"sinks": sinks}))[0]
 
-    # tanh(s / c) bends on the scale of c: the step must be small against it
-    h = 1e-5 * min(1.0, case.softcap or 1.0) / (1 + orc.truth(case).logit_max)
-    numeric = (f(h) - f(-h)) / (2 * h)
-    analytic = sum(float((g * u).sum()) for g, u in zip(grads, dirs))
-    size = sum(float(np.abs(g * u).sum()) for g, u in zip(grads, dirs))
-    note(f"numeric {numeric!r}, analytic {analytic!r}")
-    assert abs(numeric - analytic) <= 1e-6 * (1 + size), (
-        f"central difference {numeric:.10g} != analytic {analytic:.10g} (|diff| {abs(numeric - analytic):.3e})")
+    for name, numeric, analytic, bound in central_differences(case, forward, grads, sinks):
+        note(f"d{name}: central difference {numeric!r}, analytic {analytic!r}, allowed {bound:.3e}")
+        assert abs(numeric - analytic) <= bound, (
+            f"reference d{name} along a random direction: central difference {numeric:.12g}, analytic "
+            f"{analytic:.12g}, |diff| {abs(numeric - analytic):.3e} > allowed {bound:.3e}\n  case: {case!r}")
 
 
 MALFORMED = [  # (feature, keyword, bad value: a callable of (framework array maker) -> value)

@@ -138,6 +138,7 @@ def test_inputs_are_never_modified(impl, case):
 
 @pytest.mark.requires("deterministic")
 @given(case=fs.cases())
+@ph.every_dtype_and_regime()
 @example(case=Case(hq=4, hkv=2, sq=17, sk=33, d=16, dv=16, block_q=16, block_k=16))  # several tiles, GQA
 def test_repeated_calls_on_one_input_are_bitwise_identical(impl, case):
     case = fs.fit(impl, case)

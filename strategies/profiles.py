@@ -3,6 +3,8 @@
 Pick one with ``--hypothesis-profile NAME`` or ``FLASHCHECK_PROFILE=NAME``; ``ci`` loads
 by itself when the CI environment variable is set. FLASHCHECK_SKIP_EXAMPLES=1 drops the
 ``@example`` pins, so that only generated and shrunk cases can fail (the mutant test uses it).
+FLASHCHECK_RANDOMIZE=1 keeps a profile's settings but lifts its derandomization, so that
+``--hypothesis-seed N`` draws a different sample: how CI's profile is swept for false alarms.
 """
 import os
 
@@ -31,6 +33,13 @@ def without_pins(profile: str) -> str:
     return name
 
 
+def randomized(profile: str) -> str:
+    """The same profile, drawn from the run's seed instead of one fixed stream per test."""
+    name = f"{profile}-random"
+    settings.register_profile(name, settings.get_profile(profile), derandomize=False)
+    return name
+
+
 def default_profile() -> str:
     if os.environ.get("FLASHCHECK_PROFILE"):
         return os.environ["FLASHCHECK_PROFILE"]
@@ -41,10 +50,13 @@ NAMES = ("default", "ci", "gpu", "thorough")
 
 
 def load(name: str) -> None:
-    """Load profile ``name`` (minus the pins when FLASHCHECK_SKIP_EXAMPLES is set); a clear error if unknown."""
-    if name.removesuffix("-nopins") not in NAMES:
+    """Load profile ``name`` (drawn from the run's seed under FLASHCHECK_RANDOMIZE, minus the pins
+    under FLASHCHECK_SKIP_EXAMPLES); a clear error if unknown."""
+    if name.removesuffix("-nopins").removesuffix("-random") not in NAMES:
         raise ValueError(f"unknown Hypothesis profile {name!r}; flashcheck registers {', '.join(NAMES)} "
                          "(--hypothesis-profile NAME or FLASHCHECK_PROFILE=NAME)")
+    if os.environ.get("FLASHCHECK_RANDOMIZE"):
+        name = randomized(name)
     settings.load_profile(without_pins(name) if os.environ.get("FLASHCHECK_SKIP_EXAMPLES") else name)
 
 
