@@ -182,14 +182,16 @@ def _rerun(impl, case, message: str) -> Entries | None:
     return None  # right against dense attention here: the property's own check is what failed
 
 
-def _fmt(x) -> str:
-    return f"{float(x):.6g}"
+def _fmt(x, digits: int = 6) -> str:
+    return f"{float(x):.{digits}g}"
 
 
 def _describe(e: Entries, case, impl) -> list[str]:
     ratio = np.where(e.wrong, np.where(np.isfinite(e.err), e.err / np.maximum(e.limit, 1e-300), np.inf), -1.0)
     idx = tuple(int(i) for i in np.unravel_index(np.argmax(ratio), ratio.shape))
-    lines = [f"  {e.name}[{', '.join(map(str, idx))}]: expected {_fmt(e.want[idx])}, got {_fmt(e.got[idx])} "
+    digits = 6 if _fmt(e.want[idx]) != _fmt(e.got[idx]) else 17  # a rounding-sized error needs every digit
+    lines = [f"  {e.name}[{', '.join(map(str, idx))}]: expected {_fmt(e.want[idx], digits)}, "
+             f"got {_fmt(e.got[idx], digits)} "
              f"(error {e.err[idx]:.3g}, allowed {e.limit[idx]:.3g}); {int(e.wrong.sum())} of {e.wrong.size} "
              "entries wrong"]
     if e.wrong.ndim < 3:  # the sinks' gradient: one entry per query head
