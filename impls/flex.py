@@ -89,6 +89,7 @@ def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0
     if q.device.type != ("cuda" if _CUDA else "cpu"):
         raise ValueError(f"{WHO}: unsupported device {q.device}; supported: {'cuda' if _CUDA else 'cpu'}")
     b, hq, hkv, sq, sk, d, dv = check_inputs(q, k, v, dtypes=DTYPES, who=WHO)
+    dtype = q.dtype
     align = alignment(causal)
     window = check_features(q, who=WHO, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
                             sinks=sinks) or (-1, -1)
@@ -99,6 +100,9 @@ def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0
     cdt = torch.float64 if q.dtype == torch.float64 else torch.float32  # the dtype flex computes scores in
     slopes = None if alibi_slopes is None else alibi_slopes.to(cdt).expand(b, hq)
     mod = _score_mod(sq, sk, float(softcap), slopes) if softcap or slopes is not None else None
+    if sinks is not None and q.dtype in (torch.float16, torch.bfloat16):
+        # the sink rescales O after flex: from a half-precision O that would round it twice
+        q, k, v = (x.float() for x in (q, k, v))
     o, lse = _flex(q, k, v, score_mod=mod, block_mask=mask, scale=None if scale is None else float(scale),
                    enable_gqa=hq != hkv)
     if sinks is not None:
@@ -106,7 +110,7 @@ def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0
         total = torch.logaddexp(lse, sink)
         # the keys' share of the softmax; 0 on a row that sees nothing (and never -inf - -inf = NaN)
         share = torch.where(total == float("-inf"), 0.0, torch.exp(lse - total))
-        o = (o * share.unsqueeze(-1)).to(q.dtype)
+        o = (o * share.unsqueeze(-1)).to(dtype)
         lse = total
     return o, lse
 

@@ -72,7 +72,9 @@ def cases(draw, *, dtypes=None, causal=None, regimes=REGIMES, masked_rows=False,
     """
     lim = limits()
     half = [t for t in (dtypes or DTYPES.get(_profile(), DEFAULT_DTYPES)) if t in HALF]
-    if half and not (masked_rows or masked_keys or equal_lengths) and draw(LONG_ODDS, label="long"):
+    # the long region is for accumulation over length, a property of plain attention: the feature
+    # properties (two runs and two truths per case, or many dropout seeds) stay short
+    if half and not (masked_rows or masked_keys or equal_lengths or features) and draw(LONG_ODDS, label="long"):
         return draw(long_cases(half, causal, regimes))
     batch = draw(st.integers(1, lim["batch"]), label="batch")
     hkv = draw(st.integers(1, lim["heads"]), label="hkv")
