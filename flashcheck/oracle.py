@@ -229,7 +229,13 @@ def _rounding_bounds(case: AttentionCase) -> dict:
     ds = p * dp_minus_d
     a_ds = np.abs(ds)
     o_round = half_spacing(o, pr.out_fmt)
-    d_worst = (ado * (o_worst + o_round)).sum(-1, keepdims=True) + acc(dv) * (ado * ao).sum(-1, keepdims=True)
+    # A kernel may also compute D as rowsum(P * dP) (autograd's softmax backward): its error is then
+    # that sum's, u sum_j P_ij |dP_ij|. Autograd through an online softmax also leaves the running
+    # max a gradient that is zero only up to that much, and hands it to one key (the argmax).
+    e_row = acc(sk) * (p * np.abs(dp := do @ _swap(v))).sum(-1, keepdims=True)
+    d_worst = ((ado * (o_worst + o_round)).sum(-1, keepdims=True) + acc(dv) * (ado * ao).sum(-1, keepdims=True)
+               + e_row)
+    at_max = e_row * np.where(vis, 1.0, 0.0)  # the max's residue, on whichever visible key is the argmax
     d_var = (ado * ado * (o_var + o_round * o_round * VAR)).sum(-1, keepdims=True)
     dp_err = p * acc(dv) * (ado @ _swap(av))
     sub_ds = sub * (1 + np.abs(dp_minus_d))  # P's and dS's own subnormals
@@ -244,11 +250,11 @@ def _rounding_bounds(case: AttentionCase) -> dict:
     q_sub = (_swap(a_ds * sub_sc) @ ones).sum(2), (_swap(ds * ds * sub_sc * sub_sc / 3) @ ones).sum(2)
     out["dq"] = sc * _bound(eta @ ak + d_worst * pk + sub_sc @ ak,
                             eta2 @ (ak * ak) + d_var * pk * pk + sub_sc * sub_sc / 3 @ (ak * ak),
-                            acc(sk) * (a_ds @ ak))
+                            acc(sk) * (a_ds @ ak) + e_row * ak.max(-2, keepdims=True, initial=0))
     pd, pd2 = p * d_worst, p * p * d_var
     out["dk"] = sc * _bound((_swap(eta + pd + sub_sc) @ aq).sum(2) + q_sub[0],
                             (_swap(eta2 + pd2 + sub_sc * sub_sc / 3) @ (aq * aq)).sum(2) + q_sub[1],
-                            acc(rows) * (_swap(a_ds) @ aq).sum(2))
+                            acc(rows) * (_swap(a_ds) @ aq).sum(2) + (_swap(at_max) @ aq).sum(2))
     if q.shape[2] > 1:  # GQA: FlashAttention-2 rounds each query head's dK and dV to t, then sums the group
         out["dk"] = out["dk"] + u_p * sc * np.abs(_swap(ds) @ q).sum(2)
         out["dv"] = out["dv"] + u_p * np.abs(_swap(p) @ do).sum(2)
