@@ -239,8 +239,16 @@ def _rounding_bounds(case: AttentionCase) -> dict:
     d_var = (ado * ado * (o_var + o_round * o_round * VAR)).sum(-1, keepdims=True)
     dp_err = p * acc(dv) * (ado @ _swap(av))
     sub_ds = sub * (1 + np.abs(dp_minus_d))  # P's and dS's own subnormals
-    eta = a_ds * (rho + u_p) + dp_err + sub_ds
-    eta2 = ds * ds * (rho_var + VAR * u_p ** 2) + VAR * dp_err ** 2 + sub_ds * sub_ds / 3
+    # A softcap multiplies dS by 1 - tanh^2(s / c): the raw logit's error, divided by c, moves it
+    # by up to twice that relative to itself (a small c magnifies float rounding a thousandfold).
+    if case.softcap:
+        raw = (2 * u_in + (d + 2) * u_acc) * abs_s
+        g = 1 - np.tanh(pt.scale * (q @ _swap(k)) / case.softcap) ** 2  # dS's factor; its error scales with it
+        rel_g = np.where(vis, 2 * g * raw / case.softcap + 4 * u_acc, 0.0)
+    else:
+        rel_g = 0.0
+    eta = a_ds * (rho + u_p + rel_g) + dp_err + sub_ds
+    eta2 = ds * ds * (rho_var + VAR * (u_p ** 2 + rel_g * rel_g)) + VAR * dp_err ** 2 + sub_ds * sub_ds / 3
     pk = np.abs(p @ k)  # D's error enters dQ_i as dD_i (P K)_i: cancellation in P K counts
     # A kernel may round dS, or q, already multiplied by the scale: their subnormals then cost
     # 2^-25 of the gradient itself, not of dS or q (cuDNN, FlashAttention-2 and FlexAttention on
