@@ -356,7 +356,7 @@ def compare(case: AttentionCase, name: str, got: np.ndarray, want: np.ndarray | 
         raise AssertionError(
             f"{label}: {over} of {err.size} entries off by more than allowed; worst at {idx}: expected "
             f"{want[idx]!r}, got {got[idx]!r}, error {err[idx]:.3e} > allowed {limit[idx]:.3e} "
-            f"({err[idx] / max(limit[idx], 1e-300):.1f}x)\n"
+            f"({err[idx] / max(limit[idx], 1e-300):.3g}x)\n"
             f"  rule: {case.precision} {case.dtype} rounding model (its own largest error {model_err:.3e})\n"
             f"  case: {case!r}")
     if against_truth and budget is None:
