@@ -102,6 +102,15 @@ def _parts(case: AttentionCase) -> _Parts:
 
 
 @functools.lru_cache(maxsize=32)
+def _dscores(case: AttentionCase):
+    """(dP, dP - D, dS = P (dP - D)) in float64, grouped as _parts: the bounds and the bias check share them."""
+    pt = _parts(case)
+    dp = pt.do @ _swap(pt.v)
+    dp_minus_d = dp - (pt.do * pt.o).sum(-1, keepdims=True)
+    return dp, dp_minus_d, pt.p * dp_minus_d
+
+
+@functools.lru_cache(maxsize=32)
 def truth(case: AttentionCase) -> Truth:
     """Dense float64 attention and its analytic gradients on the case's inputs."""
     q, k, v, do = case.inputs()
@@ -224,15 +233,13 @@ def _rounding_bounds(case: AttentionCase) -> dict:
                        acc(rows) * (_swap(p) @ ado).sum(2))
     # dS = P (dP - D): P's error, dP's float32 dot product, dS rounded to t (independent per entry),
     # and D's error, shared by every key of a row: D = rowsum(dO * O) reads O rounded to t.
-    dp = do @ _swap(v)
-    dp_minus_d = dp - (do * o).sum(-1, keepdims=True)
-    ds = p * dp_minus_d
+    dp, dp_minus_d, ds = _dscores(case)
     a_ds = np.abs(ds)
     o_round = half_spacing(o, pr.out_fmt)
     # A kernel may also compute D as rowsum(P * dP) (autograd's softmax backward): its error is then
     # that sum's, u sum_j P_ij |dP_ij|. Autograd through an online softmax also leaves the running
     # max a gradient that is zero only up to that much, and hands it to one key (the argmax).
-    e_row = acc(sk) * (p * np.abs(dp := do @ _swap(v))).sum(-1, keepdims=True)
+    e_row = acc(sk) * (p * np.abs(dp)).sum(-1, keepdims=True)
     d_worst = ((ado * (o_worst + o_round)).sum(-1, keepdims=True) + acc(dv) * (ado * ao).sum(-1, keepdims=True)
                + e_row)
     at_max = e_row * np.where(vis, 1.0, 0.0)  # the max's residue, on whichever visible key is the argmax
@@ -393,9 +400,7 @@ def _scaled_ds_subnormal(case) -> bool:
     if case.dtype != "float16":
         return False
     pt = _parts(case)
-    dp = pt.do @ _swap(pt.v)
-    ds = np.abs(pt.scale * pt.p * (dp - (pt.do * pt.o).sum(-1, keepdims=True)))
-    ds = ds[pt.p > 0]  # p is 0 where masked
+    ds = np.abs(pt.scale * _dscores(case)[2])[pt.p > 0]  # p is 0 where masked
     return ds.size > 0 and float(np.median(ds)) < 2.0 ** -14
 
 
