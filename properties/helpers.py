@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import example
 
 from flashcheck.impls import call
@@ -118,3 +119,9 @@ def nondeterminism(impl, case, first: BaseException | None = None) -> str:
     if first is not None:
         head += "\n  the call that failed: " + (str(first).strip().splitlines() or [type(first).__name__])[0]
     return head + f"\n  case: {case!r}"
+
+
+# The strategies' self-tests assert the CPU profiles' limits and dtypes (the gpu profile draws
+# longer sequences and no float64): they skip in the gpu lane.
+CPU_PROFILES_ONLY = pytest.mark.skipif(fs_draw.limits() is fs_draw.LIMITS["gpu"], reason="self-tests of the "
+                                       "strategies run in the CPU lanes, under the limits they assert")

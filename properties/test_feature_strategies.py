@@ -9,16 +9,14 @@ from hypothesis import strategies as st
 
 from flashcheck import strategies as fs
 from flashcheck import implementation
+from flashcheck.properties import helpers as ph
 from flashcheck.strategies import AttentionCase as Case
 from flashcheck.strategies.features import DROPOUTS, geometric_slopes
 
-# Self-tests of the strategies: their expectations are the CPU profiles' limits and dtypes
-# (the gpu profile draws longer sequences and no float64), so the GPU lane leaves them out.
-pytestmark = [pytest.mark.properties,
-              pytest.mark.skipif(fs.draw.limits() is fs.draw.LIMITS["gpu"], reason="self-tests of the strategies "
-                                 "run in the CPU lanes, under the limits they assert")]
+pytestmark = [pytest.mark.properties, ph.CPU_PROFILES_ONLY]
 
-SEARCH = settings(max_examples=3000, database=None, suppress_health_check=list(HealthCheck))
+SEARCH = settings(max_examples=3000, database=None, derandomize=True,  # the same search in every profile
+                  suppress_health_check=list(HealthCheck))
 
 
 def _empty_rows(c):
