@@ -32,12 +32,14 @@ def _bound(worst, var, coherent):
     return np.where(worst > 1e-140, np.minimum(worst, Z * np.sqrt(var)), worst) + coherent
 
 
-def ties(x: np.ndarray, axes: tuple) -> np.ndarray:
-    """How many entries of each slice over ``axes`` hold exactly the value of each entry.
+def ties(x: np.ndarray, axes: tuple) -> tuple[np.ndarray, np.ndarray]:
+    """For each entry: how many entries of its slice over ``axes`` hold exactly its value, and
+    whether it belongs to the slice's largest such group (of two or more; the largest value wins a tie).
 
-    Equal values round alike: their rounding errors are one error, added up coherently, so the
-    variance of a sum counts each term as often as its value repeats (Cauchy-Schwarz: the square
-    of a sum of n equal errors is at most n times the sum of their squares).
+    Equal values round alike: their rounding errors are one error. The largest group's terms are
+    summed with their signs before squaring (uniform attention: one group holds the whole row);
+    the other repeated terms count as often as they repeat (Cauchy-Schwarz: the square of a sum of
+    n equal errors is at most n times the sum of their squares).
     """
     moved = np.moveaxis(x, axes, tuple(range(-len(axes), 0)))
     flat = moved.reshape(-1, int(np.prod([x.shape[a] for a in axes])))
@@ -47,9 +49,13 @@ def ties(x: np.ndarray, axes: tuple) -> np.ndarray:
     start[:, 1:] = srt[:, 1:] != srt[:, :-1]
     run = np.cumsum(start, axis=-1) - 1 + (np.arange(flat.shape[0]) * flat.shape[1])[:, None]
     size = np.bincount(run.ravel(), minlength=flat.size)[run]
-    out = np.empty_like(size)
-    np.put_along_axis(out, order, size, -1)
-    return np.moveaxis(out.reshape(moved.shape), tuple(range(-len(axes), 0)), axes).astype(np.float64)
+    n = np.empty_like(size)
+    np.put_along_axis(n, order, size, -1)
+    top = n.max(-1, keepdims=True)
+    val = np.where(n == top, flat, -np.inf).max(-1, keepdims=True)
+    big = (n == top) & (flat == val) & (top > 1)
+    back = lambda y: np.moveaxis(y.reshape(moved.shape), tuple(range(-len(axes), 0)), axes)  # noqa: E731
+    return back(np.where(big, 1, n).astype(np.float64)), back(big)
 
 
 def _trunc_mean(a_times_b, abs_a_times_abs_b, u_tr):
@@ -65,7 +71,7 @@ def rounding_bounds(case, pt, dscores, half_spacing) -> dict:
     u_in = UNIT[pr.operand_fmt] if pr.operand_fmt != pr.acc else 0.0
     u_tr = UNIT["tf32"] if pr.truncate else 0.0  # a truncated TF32 operand errs by up to a whole ulp
     u_t = UNIT[pr.out_fmt] if pr.out_fmt in HALF else 0.0
-    u_dp = u_t if pr.dp_rounded else 0.0  # "dense": dP rounded to t
+    u_dp = u_t if pr.p_normalized else 0.0  # "dense": dP rounded to t
     u_pre = (u_t or u_acc) if pr.prescaled else 0.0  # "prescaled": q*scale or k*scale*log2 e rounded to t
     # P and dS lose their subnormals absolutely: fp16 keeps them at a spacing of 2^-24; float32
     # arithmetic on a GPU flushes values below 2^-126 to zero.
@@ -84,8 +90,7 @@ def rounding_bounds(case, pt, dscores, half_spacing) -> dict:
     # variance about u^2/3 (D/2 sum_d (q_d k_d)^2 + D/3 s^2), whether the terms' signs are random or
     # alike), the scale and log2(e) products, the max or LSE subtracted before exp, exp itself, and
     # for TF32 the rounding of q and k.
-    # (An exp2 softmax works on logits 1/ln 2 = 1.44 times larger: 3 |s - m| covers both.)
-    local = u_acc * (4 + 3 * np.abs(pt.s - m))
+    local = u_acc * (4 + 2 * np.abs(pt.s - m))
     score_worst = np.where(vis, u_in * 2 * abs_s + u_acc * d * abs_s + local, 0.0)
     score_var = np.where(vis, u_acc ** 2 / 3 * (d / 2 * sq_s + d / 3 * pt.s ** 2)
                          + VAR * (local ** 2 + (u_in * 2 * abs_s) ** 2), 0.0)
@@ -94,7 +99,7 @@ def rounding_bounds(case, pt, dscores, half_spacing) -> dict:
     # So does truncation to TF32, which shrinks every product of a dot product alike.
     pre = np.where(vis, (u_pre + 2 * u_tr) * abs_s, 0.0)
     # The LSE's own error shifts every P of its row in the backward (P = exp(s - LSE)).
-    lse_own = acc(sk) + 3 * u_acc * np.abs(lse)
+    lse_own = acc(sk) + 2 * u_acc * np.abs(lse)
     lse_worst = (p * (score_worst + pre)).sum(-1, keepdims=True) + lse_own
     lse_var = (p * p * score_var).sum(-1, keepdims=True) + VAR * lse_own ** 2
     # Bound on P_ij's relative error, and its variance: P and V rounded (a truncated TF32 operand
@@ -107,17 +112,29 @@ def rounding_bounds(case, pt, dscores, half_spacing) -> dict:
     sub = np.where(vis, sub, 0.0)
     w = p * rho + sub  # bound on the error of p_ij
     w2 = p * p * rho_var + sub * sub / 3  # its variance (subnormals: a fixed spacing, so uniform)
-    # Equal probabilities (equal keys, scale 0) carry one rounding error: along a row for O and dQ,
-    # along a key's column (every row of every head of the group) for dV and dK.
+    # "dense": P normalized before it is rounded. Equal probabilities (equal keys, scale 0) then carry
+    # one rounding error: along a row for O, along a key's column (every row of every head of the
+    # group) for dV.
     p32 = np.where(vis, p, np.nan).astype(np.float32)  # masked entries (NaN) tie with nothing
-    n_row, n_col = ties(p32, (-1,)), ties(p32, (2, 3))
+    if pr.p_normalized:
+        (n_row, big_row), (n_col, big_col) = ties(p32, (-1,)), ties(p32, (2, 3))
+    else:  # exp(s - m) of equal scores is exactly 1 at the max; below it, ties are rare and short
+        n_row = n_col = np.ones_like(p)
+        big_row = big_col = np.zeros(p.shape, bool)
+    # Only the rounding of P's value is a function of the value; the scores' errors depend on the
+    # order of each dot product's sum and stay independent.
+    w2_p = p * p * VAR * u_p ** 2
+    w2_rest = w2 - w2_p
+    sd_row, sd_col = np.sqrt(w2_p) * big_row, np.sqrt(w2_p) * big_col  # the largest groups' shared error
     wp = p * np.expm1(pre + (p * pre).sum(-1, keepdims=True))  # the pre-scaled operands' share, coherent
     out = {}
     # O: sum_j p_ij (1 + e_ij) v_j normalized by the exact sum (error sum_j p_ij e_ij v_j), or by
     # the sum of the rounded terms (error sum_j p_ij e_ij (v_j - O_i)); a kernel may do either.
     o_worst = w @ av + ao * w.sum(-1, keepdims=True)
-    w2r = w2 * n_row
-    o_var = np.maximum(w2r @ (v * v), w2r @ (v * v) - 2 * o * (w2r @ v) + o * o * w2r.sum(-1, keepdims=True))
+    w2r = w2_rest + w2_p * n_row * ~big_row
+    o_var = np.maximum(w2r @ (v * v) + (sd_row @ v) ** 2,
+                       w2r @ (v * v) - 2 * o * (w2r @ v) + o * o * w2r.sum(-1, keepdims=True)
+                       + (sd_row @ v - o * sd_row.sum(-1, keepdims=True)) ** 2)
     o_coh = acc(sk) * (p @ av + ao) + wp @ av + ao * wp.sum(-1, keepdims=True)
     if u_tr:
         o_coh = o_coh + _trunc_mean(o, p @ av, u_tr)
@@ -131,7 +148,8 @@ def rounding_bounds(case, pt, dscores, half_spacing) -> dict:
     dv_coh = acc(rows) * pdo.sum(2) + (_swap(wp) @ ado).sum(2)
     if u_tr:
         dv_coh = dv_coh + _trunc_mean((_swap(p) @ do).sum(2), pdo.sum(2), u_tr)
-    out["dv"] = _bound((_swap(w) @ ado).sum(2), (_swap(w2 * n_col) @ (ado * ado)).sum(2), dv_coh)
+    out["dv"] = _bound((_swap(w) @ ado).sum(2), (_swap(w2_rest + w2_p * n_col * ~big_col) @ (ado * ado)).sum(2)
+                       + ((_swap(sd_col) @ do).sum(2)) ** 2, dv_coh)
     # dS = P (dP - D): P's error, dP's float32 dot product (and its rounding to t, "dense"), dS
     # rounded to t (before or after the scale: independent per entry), and D's error, shared by
     # every key of a row: D = rowsum(dO * O) reads O rounded to t.
@@ -164,7 +182,7 @@ def rounding_bounds(case, pt, dscores, half_spacing) -> dict:
         rel_g = 0.0
     eta = a_ds * rho + p_hi * np.abs(dp_minus_d) * (u_p + u_tr + rel_g) + dp_err + sub_ds
     eta2 = ds * ds * (VAR * (u_p ** 2 + rel_g * rel_g)) + VAR * dp_err ** 2 + sub_ds * sub_ds / 3
-    eta2_q, eta2_k = eta2 + ds * ds * rho_var * n_row, eta2 + ds * ds * rho_var * n_col
+    eta2 = eta2 + ds * ds * rho_var  # the backward's P is float32: no rounding of P's value here
     pk = np.abs(p @ k)  # D's error enters dQ_i as dD_i (P K)_i: cancellation in P K counts
     # A kernel may round dS, or q, already multiplied by the scale: their subnormals then cost
     # 2^-25 of the gradient itself, not of dS or q (cuDNN, FlashAttention-2 and FlexAttention on
@@ -186,10 +204,10 @@ def rounding_bounds(case, pt, dscores, half_spacing) -> dict:
         dq_coh = dq_coh + _trunc_mean(ds @ k, a_ds @ ak, u_tr)
         dk_coh = dk_coh + _trunc_mean((_swap(ds) @ q).sum(2), (_swap(a_ds) @ aq).sum(2), u_tr)
     out["dq"] = sc * _bound(eta @ ak + d_worst * pk + sub_sc @ ak,
-                            eta2_q @ (ak * ak) + d_var * pk * pk + sub_sc * sub_sc / 3 @ (ak * ak), dq_coh)
+                            eta2 @ (ak * ak) + d_var * pk * pk + sub_sc * sub_sc / 3 @ (ak * ak), dq_coh)
     pd, pd2 = p_hi * d_worst, p * p * d_var
     out["dk"] = sc * _bound((_swap(eta + pd + sub_sc) @ aq).sum(2) + q_sub[0],
-                            (_swap(eta2_k + pd2 + sub_sc * sub_sc / 3) @ (aq * aq)).sum(2) + q_sub[1], dk_coh)
+                            (_swap(eta2 + pd2 + sub_sc * sub_sc / 3) @ (aq * aq)).sum(2) + q_sub[1], dk_coh)
     if q.shape[2] > 1:  # GQA: FlashAttention-2 rounds each query head's dK and dV to t, then sums the group
         out["dk"] = out["dk"] + u_p * sc * np.abs(_swap(ds) @ q).sum(2)
         out["dv"] = out["dv"] + u_p * np.abs(_swap(p) @ do).sum(2)

@@ -14,10 +14,9 @@ each one, either always or under a declared precision:
 
 | site | admitted by |
 |---|---|
-| P divided by its row sum before it is rounded (dense kernels, XLA) | always |
 | dS rounded after it is multiplied by the scale | always |
 | TF32 operands rounded to nearest (JAX Pallas) or by truncation (Triton's dots on an H200) | "tf32" |
-| dP rounded to the input type (autodiff of dense attention in t, XLA) | "dense" |
+| P divided by its row sum before it is rounded, dP rounded to the input type (dense attention with a float32 softmax and its autodiff: XLA) | "dense" |
 | q * scale, or k * scale * log2(e), rounded to the input type before QK^T (Triton's tutorial) | "prescaled" |
 
 Declared precisions combine with "+" ("tf32+prescaled"). "naive" is plain dense attention
@@ -34,7 +33,8 @@ HALF = ("float16", "bfloat16")
 SITES = ("tf32", "dense", "prescaled")  # the declarable rounding sites, in their canonical order
 PRECISIONS = ("fused",) + tuple("+".join(c) for n in range(1, 4) for c in itertools.combinations(SITES, n)) + ("naive",)
 DECLARES = {"tf32": "matmul operands rounded to TF32 (10 mantissa bits), to nearest or by truncation",
-            "dense": "dP rounded to the input type before dS (autodiff of dense attention in t)",
+            "dense": "P normalized before it is rounded, and dP rounded to the input type (dense attention "
+                     "with a float32 softmax, and its autodiff)",
             "prescaled": "q*scale or k*scale*log2(e) rounded to the input type before the dot product",
             "naive": "plain dense attention computed in the input type"}
 LOG2E = 1.4426950408889634
@@ -66,7 +66,8 @@ class Precision:
 
     acc: the accumulation type; p_fmt: what P and dS are rounded to before their products;
     operand_fmt: what q, k, v, dO are rounded to inside products (tf32); out_fmt: O and gradients,
-    which is also the input type. truncate: TF32 may truncate; dp_rounded and prescaled: the sites.
+    which is also the input type. truncate: TF32 may truncate; p_normalized ("dense": P normalized
+    before it is rounded, dP rounded to t) and prescaled: the other declarable sites.
     """
 
     acc: str
@@ -74,7 +75,7 @@ class Precision:
     operand_fmt: str
     out_fmt: str
     truncate: bool = False
-    dp_rounded: bool = False
+    p_normalized: bool = False
     prescaled: bool = False
 
     @classmethod
@@ -84,7 +85,7 @@ class Precision:
         parts = set(precision.split("+"))
         if dtype == "float64":
             return cls("float64", "float64", "float64", "float64")
-        sites = dict(dp_rounded="dense" in parts, prescaled="prescaled" in parts)
+        sites = dict(p_normalized="dense" in parts, prescaled="prescaled" in parts)
         if dtype in HALF:
             return cls("float32", dtype, "float32", dtype, **sites)
         tf32 = "tf32" if "tf32" in parts else "float32"
@@ -104,7 +105,7 @@ class Sites:
     def admitted_by(self, dtype: str) -> str:
         """The smallest precision whose rule admits these sites for inputs of ``dtype``."""
         parts = [n for n, on in (("tf32", self.tf32_truncate and dtype == "float32"),
-                                 ("dense", self.dp_rounded and dtype in HALF),
+                                 ("dense", self.p_normalized or (self.dp_rounded and dtype in HALF)),
                                  ("prescaled", self.prescaled is not None)) if on]
         return "+".join(parts) or "fused"
 
