@@ -36,10 +36,10 @@ def ties(x: np.ndarray, axes: tuple) -> tuple[np.ndarray, np.ndarray]:
     """For each entry: how many entries of its slice over ``axes`` hold exactly its value, and
     whether it belongs to the slice's largest such group (of two or more; the largest value wins a tie).
 
-    Equal values round alike: their rounding errors are one error. The largest group's terms are
-    summed with their signs before squaring (uniform attention: one group holds the whole row);
-    the other repeated terms count as often as they repeat (Cauchy-Schwarz: the square of a sum of
-    n equal errors is at most n times the sum of their squares).
+    Equal values may round alike, and then their rounding errors are one error: a repeated term
+    counts as often as it repeats (Cauchy-Schwarz: the square of a sum of n equal errors is at most
+    n times the sum of their squares), or, for the largest group of a row, its terms are summed
+    with their signs before squaring (uniform attention: one group holds the whole row).
     """
     moved = np.moveaxis(x, axes, tuple(range(-len(axes), 0)))
     flat = moved.reshape(-1, int(np.prod([x.shape[a] for a in axes])))
@@ -55,7 +55,7 @@ def ties(x: np.ndarray, axes: tuple) -> tuple[np.ndarray, np.ndarray]:
     val = np.where(n == top, flat, -np.inf).max(-1, keepdims=True)
     big = (n == top) & (flat == val) & (top > 1)
     back = lambda y: np.moveaxis(y.reshape(moved.shape), tuple(range(-len(axes), 0)), axes)  # noqa: E731
-    return back(np.where(big, 1, n).astype(np.float64)), back(big)
+    return back(n.astype(np.float64)), back(big)
 
 
 def _trunc_mean(a_times_b, abs_a_times_abs_b, u_tr):
@@ -116,22 +116,26 @@ def rounding_bounds(case, pt, dscores, half_spacing) -> dict:
     # one rounding error: along a row for O, along a key's column (every row of every head of the
     # group) for dV.
     p32 = np.where(vis, p, np.nan).astype(np.float32)  # masked entries (NaN) tie with nothing
+    # A row's P shares one max and one sum, so equal scores give equal values; a key's column does
+    # not (each row has its own LSE), so there equal truths count by Cauchy-Schwarz alone. A group
+    # whose values straddle a rounding boundary rounds half up, half down: the largest group of a
+    # row also keeps its terms' independent share.
     if pr.p_normalized:
-        (n_row, big_row), (n_col, big_col) = ties(p32, (-1,)), ties(p32, (2, 3))
+        (n_row, big_row), (n_col, _) = ties(p32, (-1,)), ties(p32, (2, 3))
     else:  # exp(s - m) of equal scores is exactly 1 at the max; below it, ties are rare and short
         n_row = n_col = np.ones_like(p)
-        big_row = big_col = np.zeros(p.shape, bool)
+        big_row = np.zeros(p.shape, bool)
     # Only the rounding of P's value is a function of the value; the scores' errors depend on the
     # order of each dot product's sum and stay independent.
     w2_p = p * p * VAR * u_p ** 2
     w2_rest = w2 - w2_p
-    sd_row, sd_col = np.sqrt(w2_p) * big_row, np.sqrt(w2_p) * big_col  # the largest groups' shared error
+    sd_row = np.sqrt(w2_p) * big_row  # the largest group's shared error
     wp = p * np.expm1(pre + (p * pre).sum(-1, keepdims=True))  # the pre-scaled operands' share, coherent
     out = {}
     # O: sum_j p_ij (1 + e_ij) v_j normalized by the exact sum (error sum_j p_ij e_ij v_j), or by
     # the sum of the rounded terms (error sum_j p_ij e_ij (v_j - O_i)); a kernel may do either.
     o_worst = w @ av + ao * w.sum(-1, keepdims=True)
-    w2r = w2_rest + w2_p * n_row * ~big_row
+    w2r = w2_rest + w2_p * np.where(big_row, 1, n_row)
     o_var = np.maximum(w2r @ (v * v) + (sd_row @ v) ** 2,
                        w2r @ (v * v) - 2 * o * (w2r @ v) + o * o * w2r.sum(-1, keepdims=True)
                        + (sd_row @ v - o * sd_row.sum(-1, keepdims=True)) ** 2)
@@ -148,8 +152,7 @@ def rounding_bounds(case, pt, dscores, half_spacing) -> dict:
     dv_coh = acc(rows) * pdo.sum(2) + (_swap(wp) @ ado).sum(2)
     if u_tr:
         dv_coh = dv_coh + _trunc_mean((_swap(p) @ do).sum(2), pdo.sum(2), u_tr)
-    out["dv"] = _bound((_swap(w) @ ado).sum(2), (_swap(w2_rest + w2_p * n_col * ~big_col) @ (ado * ado)).sum(2)
-                       + ((_swap(sd_col) @ do).sum(2)) ** 2, dv_coh)
+    out["dv"] = _bound((_swap(w) @ ado).sum(2), (_swap(w2_rest + w2_p * n_col) @ (ado * ado)).sum(2), dv_coh)
     # dS = P (dP - D): P's error, dP's float32 dot product (and its rounding to t, "dense"), dS
     # rounded to t (before or after the scale: independent per entry), and D's error, shared by
     # every key of a row: D = rowsum(dO * O) reads O rounded to t.
