@@ -5,6 +5,8 @@ The kernels are in mutants/untrusted.py; the properties are called here in proce
 one implementation each. What only a pytest run shows (skips, ordering, FlakyFailure turned
 into a message) is checked through pytest itself in mutants/test_examples.py.
 """
+import re
+
 import pytest
 from hypothesis.errors import UnsatisfiedAssumption
 
@@ -77,6 +79,16 @@ def test_the_oracle_code_is_not_counted_as_tested_by_its_own_comparisons():
                  test_backward.test_gradients_match_analytic_float64):
         needs = [n for m in getattr(prop, "pytestmark", []) if m.name == "requires" for n in m.args]
         assert "independent" in needs, f"{prop.__name__} compares with the truth but runs on numpy-dense"
+
+
+def test_an_output_outside_the_visible_values_is_reported_with_its_entry_and_range():
+    # the bound is an array per entry: formatting it as one number raised TypeError, blamed on the kernel
+    with pytest.raises(AssertionError) as info:
+        test_forward.test_output_lies_within_the_visible_values(impl=record(ut.beyond_the_values))
+    said = str(info.value)
+    assert re.search(r"o\[[\d, ]+\] = \S+ lies outside \[min, max\] = \[\S+, \S+\] of the values its row sees, "
+                     r"by \S+ beyond the slack \S+; \d+ of \d+ entries outside", said), said
+    assert "case: AttentionCase(" in said, said
 
 
 def test_an_in_place_write_to_a_float64_input_is_seen():

@@ -78,6 +78,13 @@ def nan_output(q, k, v, *, causal=False, scale=None):
     return torch.full_like(_sdpa(q, k, v, causal, scale), float("nan"))
 
 
+@_plugin("beyond-the-values", backward=False)
+def beyond_the_values(q, k, v, *, causal=False, scale=None):
+    """Every output one past the largest value: outside the range a convex combination can reach."""
+    o = _sdpa(q, k, v, causal, scale)
+    return o + (v.abs().amax() + 1).to(o.dtype)
+
+
 @_plugin("checks-lengths-only", min_seq=4, backward=False)
 def checks_lengths_only(q, k, v, *, causal=False, scale=None):
     """Refuses short sequences but broadcasts a batch of 1, as SDPA does: bad-input tests
