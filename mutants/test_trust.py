@@ -8,10 +8,11 @@ into a message) is checked through pytest itself in mutants/test_examples.py.
 import re
 
 import pytest
+import torch
 from hypothesis.errors import UnsatisfiedAssumption
 
 from flashcheck import strategies as fs
-from flashcheck.impls import capabilities, implementation, load
+from flashcheck.impls import call, capabilities, implementation, load
 from mutants import untrusted as ut
 from flashcheck.properties import helpers as ph
 from flashcheck.properties import test_backward, test_bad_input, test_forward, test_invariance, test_known_issues
@@ -41,11 +42,33 @@ def test_bad_input_starts_from_a_case_the_kernel_accepts():
         test_bad_input.test_malformed_shapes_raise_a_named_error(record(ut.checks_lengths_only), "batch")
 
 
-def test_a_triton_pointer_error_counts_as_a_device_refusal():
-    import re
+def cuda_only(refusal):
+    """A kernel declared for CUDA that runs on the meta device (the test's stand-in for CUDA on a CPU
+    machine) and meets CPU inputs with ``refusal`` raised, or, for None, with an answer."""
+    def attention(q, k, v, *, causal=False, scale=None):
+        if q.device.type != "meta" and refusal is not None:
+            raise RuntimeError(refusal)
+        return torch.zeros(q.shape[:3] + v.shape[-1:], device=q.device, dtype=q.dtype)
 
-    said = "Pointer argument (at 0) cannot be accessed from Triton (cpu tensor?)"
-    assert re.search(test_bad_input.DEVICE_WORDS, said)
+    return record(implementation(name="cuda-only", devices=("cuda",), dtypes=("float64",), register=False)(attention))
+
+
+@pytest.mark.parametrize("refusal", [
+    "Pointer argument (at 0) cannot be accessed from Triton (cpu tensor?)",  # Triton
+    "custom call not found for platform cpu",  # JAX's words (... not found for platform cpu)
+    "Only interpret mode is supported on CPU backend",  # Pallas
+    "something unrelated went wrong",  # a refusal all the same
+])
+def test_any_error_for_inputs_on_an_undeclared_device_counts_as_a_refusal(monkeypatch, refusal):
+    monkeypatch.setattr(call, "device_for", lambda impl: "meta")
+    test_bad_input.test_inputs_on_an_undeclared_device_are_refused(cuda_only(refusal))
+
+
+def test_an_answer_for_inputs_on_an_undeclared_device_fails(monkeypatch):
+    monkeypatch.setattr(call, "device_for", lambda impl: "meta")
+    with pytest.raises(pytest.fail.Exception, match=r"declares devices=\('cuda',\) but did not raise for inputs "
+                                                    r"on the cpu: it returned a result"):
+        test_bad_input.test_inputs_on_an_undeclared_device_are_refused(cuda_only(None))
 
 
 @pytest.mark.parametrize("check", [
