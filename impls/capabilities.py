@@ -95,10 +95,13 @@ def declared(impl: Implementation) -> str:
 
 
 def witness_case(impl: Implementation, issue):
-    """The case a known issue's witness names, judged by the implementation's own precision."""
+    """The case a known issue's witness names, judged by the implementation's own precision (and, for
+    a kernel with fixed ``tiles``, shown with them, as the strategies show its cases)."""
     from flashcheck.strategies.case import AttentionCase
 
-    return AttentionCase(**{"precision": impl.precision, **issue.witness})
+    tiles = getattr(impl, "tiles", None)
+    own = dict(precision=impl.precision, **(dict(block_q=tiles[0], block_k=tiles[1]) if tiles else {}))
+    return AttentionCase(**{**own, **issue.witness})
 
 
 def _witness_fields(case, impl: Implementation) -> list[str]:
@@ -132,6 +135,9 @@ def _witness_fields(case, impl: Implementation) -> list[str]:
         out.append(f"sq={case.sq} and sk={case.sk} differ, but it declares equal_lengths=True")
     if not i.masked_rows and not case.visible().any(axis=1).all():
         out.append("a query row sees no key, but it declares masked_rows=False")
+    tiles = getattr(i, "tiles", None)
+    if tiles and (case.block_q, case.block_k) != tuple(tiles):
+        out.append(f"block_q={case.block_q}, block_k={case.block_k} are not its tiles={tuple(tiles)!r}")
     if isinstance(i.blocks, tuple):
         out += [f"{b}={getattr(case, b)} is not in blocks={i.blocks!r}" for b in ("block_q", "block_k")
                 if getattr(case, b) not in i.blocks]
