@@ -5,6 +5,7 @@ The kernels are in mutants/untrusted.py; the properties are called here in proce
 one implementation each. What only a pytest run shows (skips, ordering, FlakyFailure turned
 into a message) is checked through pytest itself in mutants/test_examples.py.
 """
+import functools
 import re
 
 import pytest
@@ -112,6 +113,32 @@ def test_an_output_outside_the_visible_values_is_reported_with_its_entry_and_ran
     assert re.search(r"o\[[\d, ]+\] = \S+ lies outside \[min, max\] = \[\S+, \S+\] of the values its row sees, "
                      r"by \S+ beyond the slack \S+; \d+ of \d+ entries outside", said), said
     assert "case: AttentionCase(" in said, said
+
+
+def _raised(fn):
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001
+        return exc
+    raise AssertionError(f"{fn} did not raise")
+
+
+def test_an_error_of_the_suite_itself_is_not_blamed_on_the_kernel():
+    from flashcheck import report
+
+    impl = record(ut.not_implemented)
+    case = Case(sq=2, sk=2)
+    suite = _raised(lambda: report.check_entries(case, "no-such-result", None))  # raised in flashcheck/
+    kernel = _raised(lambda: ph.forward(impl, case))  # raised in the kernel's own file, through impls/call.py
+    # a kernel that is a library's own function: it raises from inside torch, with no frame of its own
+    sdpa = implementation(name="sdpa-itself", dtypes=("float64",), register=False)(
+        functools.partial(torch.nn.functional.scaled_dot_product_attention))
+    library = _raised(lambda: ph.forward(record(sdpa), case))  # TypeError: no causal= keyword
+    said = {name: report.Failure(impl, "test_x", case, exc, "").render(None).splitlines()[-1]
+            for name, exc in (("suite", suite), ("kernel", kernel), ("library", library))}
+    assert said["suite"].startswith("  flashcheck itself raised ") and "a bug in the suite" in said["suite"], said
+    assert said["kernel"].startswith("  not-implemented raised NotImplementedError"), said
+    assert said["library"].startswith("  not-implemented raised TypeError"), said
 
 
 def test_an_in_place_write_to_a_float64_input_is_seen():
