@@ -54,12 +54,12 @@ class RanEager(RuntimeError):
 
 def _limits():
     """dynamo's config patch: raised recompile limits, and an error where it would fall back to eager.
-    (torch < 2.6 spells the limits cache_size_limit and fail_on_cache_limit_hit.)"""
+    (Older torch spells them cache_size_limit, accumulated_cache_size_limit, fail_on_cache_limit_hit.)"""
     cfg = torch._dynamo.config
-    new = hasattr(cfg, "recompile_limit")
-    return cfg.patch(**{"recompile_limit" if new else "cache_size_limit": RECOMPILE_LIMIT,
-                        "accumulated_recompile_limit" if new else "accumulated_cache_size_limit": RECOMPILE_LIMIT,
-                        "fail_on_recompile_limit_hit" if new else "fail_on_cache_limit_hit": True})
+    settings = {("recompile_limit", "cache_size_limit"): RECOMPILE_LIMIT,
+                ("accumulated_recompile_limit", "accumulated_cache_size_limit"): RECOMPILE_LIMIT,
+                ("fail_on_recompile_limit_hit", "fail_on_cache_limit_hit"): True}
+    return cfg.patch(**{next(n for n in names if hasattr(cfg, n)): value for names, value in settings.items()})
 
 
 class Compiled:

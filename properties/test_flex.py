@@ -71,3 +71,12 @@ def test_reaching_dynamo_s_recompile_limit_raises_instead_of_running_eager(monke
     guard(torch.ones(1), "a")
     with pytest.raises(flex.RanEager, match=r"reached dynamo's recompile limit \(1\) and would have run eager"):
         guard(torch.ones(1), "bb")
+
+
+def test_the_limits_are_raised_and_a_hit_is_an_error_only_inside_a_compiled_call():
+    cfg = torch._dynamo.config
+    before = (cfg.recompile_limit, cfg.fail_on_recompile_limit_hit)
+    with flex._limits():
+        assert (cfg.recompile_limit, cfg.accumulated_recompile_limit, cfg.fail_on_recompile_limit_hit) == (
+            flex.RECOMPILE_LIMIT, flex.RECOMPILE_LIMIT, True), "expected the raised limits and a hard failure"
+    assert (cfg.recompile_limit, cfg.fail_on_recompile_limit_hit) == before, "the user's dynamo settings changed"
