@@ -172,8 +172,14 @@ def check_witnesses(impl: Implementation) -> None:
         refused = None if problems else impl.unsupported(case)
         if refused:
             problems.append(f"its supports() refuses it: {refused}")
-        if not problems and not issue.applies(case):
-            problems.append("the issue's own applies() is False there")
+        if not problems:
+            try:
+                applies = issue.applies(case)
+            except Exception as exc:  # noqa: BLE001  (a predicate that cannot judge its own witness)
+                raise ContractError(f"{where}: its applies() raised on its witness {case!r}: "
+                                    f"{type(exc).__name__}: {exc}") from exc
+            if not applies:
+                problems.append("the issue's own applies() is False there")
         if problems:
             raise ContractError(f"{where}: its witness {case!r} lies outside what {impl.name} declares: "
                                 + "; ".join(problems))

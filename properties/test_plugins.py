@@ -111,6 +111,12 @@ def test_a_known_issue_whose_witness_its_own_predicate_rejects_is_refused():
                        register=False)(lambda q, k, v, **_: q)
 
 
+def test_a_known_issue_whose_predicate_raises_on_its_witness_is_refused():
+    with pytest.raises(ContractError, match=r"its applies\(\) raised on its witness .*ZeroDivisionError"):
+        implementation(name="x", dtypes=("float64",), known_issues=[_issue(dict(), applies=lambda c: 1 / 0)],
+                       register=False)(lambda q, k, v, **_: q)
+
+
 def test_a_witness_inside_the_declaration_loads_and_is_judged_by_the_kernel_s_precision():
     from flashcheck.impls import capabilities
 
