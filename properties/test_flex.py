@@ -45,6 +45,8 @@ SHAPES = [(2, 3), (4, 6), (7, 7), (9, 2), (17, 33), (5, 5), (6, 3), (8, 8), (10,
 
 
 def test_compiled_flex_runs_compiled_for_more_shapes_than_dynamo_s_default_recompile_limit(monkeypatch):
+    if flex._CUDA:
+        pytest.skip("on CUDA every flex property runs through the guard, compiled by inductor")
     guard = flex.Compiled(flex.flex_attention, backend="eager")
     monkeypatch.setattr(flex, "_runner", lambda q: guard)
     impl = flex.attention.__flashcheck__
