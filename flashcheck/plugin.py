@@ -10,7 +10,8 @@
   ``@pytest.mark.requires("lse")`` (etc.) is skipped, with the reason, where the capability
   is not declared (flashcheck.impls.capabilities). A property none of whose drawn cases fits
   the declarations is skipped with them; one input that gave two verdicts (Hypothesis's
-  FlakyFailure) is reported as nondeterminism; an ``@example`` pin refitted to the
+  FlakyFailure) is reported as nondeterminism, or as an error that did not recur when the first
+  call raised or failed to compile (properties/helpers.py); an ``@example`` pin refitted to the
   declarations, or not run on them, is a PinNotAsWritten warning.
 - Numeric properties run before the ``input_validation`` ones, so a kernel that validates
   nothing does not stop an ``-x`` run before its numbers were checked.
