@@ -2,7 +2,7 @@
 
 | name | what | devices | dtypes | limits |
 |---|---|---|---|---|
-| jax-xla | jax.nn.dot_product_attention(implementation="xla") | cpu, cuda | float64, float32, bfloat16 (+ float16 on cuda) | Dv == D |
+| jax-xla | jax.nn.dot_product_attention(implementation="xla") | cpu, cuda | float32, bfloat16 (+ float16 on cuda) | Dv == D |
 | jax-cudnn | jax.nn.dot_product_attention(implementation="cudnn") | cuda | float16, bfloat16 | Dv == D, a multiple of 8, <= 128 (256 from sm90) |
 | jax-pallas | jax.experimental.pallas.ops.gpu.attention.mha (Triton) | cuda | float16, bfloat16, float32 | Dv == D, Hq == Hkv, lengths <= 128 or multiples of 128 |
 
@@ -17,6 +17,8 @@ What the sources say (jax 0.10-0.11), and the declarations that follow:
 - LSE: Pallas's residual is float32 in base 2 (m + log2 l of log2(e)-scaled scores) and is
   converted here to the natural log. dot_product_attention's residual is cast to the input type
   (fp16/bf16 for every cuDNN call), so those two declare lse=False.
+- float64 on the XLA path: the softmax is "always carried out in fp32" (its source), so float64
+  inputs get float32 accuracy (errors ~1e-7): not declared, since float64 is held to float64.
 - float16 on XLA:CPU: jax asks for the F16_F16_F32 dot algorithm, which XLA:CPU rejects under jit
   ("The precision 'F16_F16_F32' is not supported by dot_general on CPU"), for every shape; jax's
   own fall-back only catches it outside jit. Not declared on the CPU.
@@ -32,10 +34,11 @@ from __future__ import annotations
 import functools
 import math
 import os
+from dataclasses import dataclass
 
 import torch
 
-from flashcheck.impls import implementation
+from flashcheck.impls import KnownIssue, implementation
 from flashcheck.impls.checks import alignment, check_inputs
 
 # JAX grabs 75% of the GPU's memory at its first CUDA call unless told not to, which would
@@ -62,12 +65,6 @@ def _jax_has_gpu() -> bool:
 _CUDA = torch.cuda.is_available() and _jax_has_gpu()
 
 
-def _x64(dtype):
-    """float64 needs jax's x64 mode, or DLPack silently hands back float32; only then, so the other
-    dtypes trace exactly as in a user's default jax."""
-    return jax.enable_x64(dtype == torch.float64)
-
-
 def _to_jax(t: torch.Tensor):
     # DLPack refuses a tensor that requires grad, and jax takes compact strides only.
     return jax.dlpack.from_dlpack(t.detach().contiguous())
@@ -85,8 +82,7 @@ class _JaxAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, fwd, bwd):
         ctx.save_for_backward(q, k, v)
         ctx.bwd = bwd
-        with _x64(q.dtype):
-            out = fwd(*map(_to_jax, (q, k, v)))
+        out = fwd(*map(_to_jax, (q, k, v)))
         o, lse = out if isinstance(out, tuple) else (out, None)
         if lse is None:
             return _to_torch(o)
@@ -97,8 +93,7 @@ class _JaxAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, *_):  # an LSE's gradient, if any, is not supported (marked non-differentiable)
         q, k, v = ctx.saved_tensors
-        with _x64(q.dtype):
-            grads = ctx.bwd(*map(_to_jax, (q, k, v, do)))
+        grads = ctx.bwd(*map(_to_jax, (q, k, v, do)))
         return (*map(_to_torch, grads), None, None)
 
 
@@ -113,18 +108,29 @@ def _bhsd(f):
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(core, causal: bool, scale: float):
-    """The jitted forward and the jitted vjp for one (kernel, causal, scale); jax caches per shape."""
-    f = _bhsd(functools.partial(core, causal=causal, scale=scale))
-
-    def o_only(q, k, v):
-        out = f(q, k, v)
-        return out[0] if isinstance(out, tuple) else out
+def _compiled(core, causal: bool, scale: float, lse: bool):
+    """The jitted forward and the jitted vjp for one (kernel, causal, scale); jax caches per shape.
+    The vjp differentiates the call without the LSE (Pallas refuses to differentiate its residuals)."""
+    fwd = _bhsd(functools.partial(core, causal=causal, scale=scale, lse=lse))
+    o_only = _bhsd(functools.partial(core, causal=causal, scale=scale, lse=False))
 
     def vjp(q, k, v, do):
         return jax.vjp(o_only, q, k, v)[1](do)
 
-    return jax.jit(f), jax.jit(vjp)
+    return jax.jit(fwd), jax.jit(vjp)
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """The fields of an AttentionCase that a ``supports`` rule here reads."""
+
+    batch: int
+    hq: int
+    hkv: int
+    sq: int
+    sk: int
+    d: int
+    dtype: str
 
 
 def _register(name, core, *, devices, dtypes, gqa, lse, head_dims, precision, known_issues=(), supports=None,
@@ -152,14 +158,12 @@ def _register(name, core, *, devices, dtypes, gqa, lse, head_dims, precision, kn
         if causal not in (False, None, True, "top_left"):
             alignment(causal)  # names a malformed value
             raise ValueError(f"{who}: JAX's causal mask is top-left aligned; {causal!r} is not supported")
-        if supports is not None:
-            from flashcheck.strategies import AttentionCase  # only the shape matters here
-
-            why = supports(AttentionCase(sq=q.shape[2], sk=k.shape[2], d=d, dv=dv))
+        if supports is not None:  # the same rule the strategies draw inside, as a named refusal
+            why = supports(_Shape(q.shape[0], hq, hkv, q.shape[2], k.shape[2], d, str(q.dtype).removeprefix("torch.")))
             if isinstance(why, str):
                 raise ValueError(f"{who}: {why}")
         scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-        fwd, bwd = _compiled(core, causal in (True, "top_left"), scale)
+        fwd, bwd = _compiled(core, causal in (True, "top_left"), scale, lse)
         return _JaxAttention.apply(q, k, v, fwd, bwd)
 
     attention.__name__ = attention.__qualname__ = name.replace("-", "_")
@@ -170,12 +174,21 @@ def _register(name, core, *, devices, dtypes, gqa, lse, head_dims, precision, kn
     return attention
 
 
-def _xla(q, k, v, *, causal, scale):
+def _xla(q, k, v, *, causal, scale, lse):
     return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal, implementation="xla")
 
 
-def _cudnn(q, k, v, *, causal, scale):
+def _cudnn(q, k, v, *, causal, scale, lse):
     return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal, implementation="cudnn")
+
+
+def _pallas(q, k, v, *, causal, scale, lse):
+    from jax.experimental.pallas.ops.gpu.attention import mha
+
+    if not lse:
+        return mha(q, k, v, None, sm_scale=scale, causal=causal)
+    o, lse2 = mha(q, k, v, None, sm_scale=scale, causal=causal, return_residuals=True)
+    return o, lse2 * math.log(2.0)  # its LSE is in base 2: log2(e)-scaled scores, exp2
 
 
 # The XLA path in float32 normalizes P before the P.V product; on an sm80+ GPU its float32 dots run
@@ -185,15 +198,94 @@ def _cudnn(q, k, v, *, causal, scale):
 # rounds dP (and dS) to the input type: "fused" rounds P unnormalized and never rounds dP.
 XLA_PRECISION = "tf32" if _CUDA else "fused"
 
+
+def _degenerate(c) -> bool:
+    """One batch, one key/value head, and at most one of Sq, Sk, D above 1: XLA rewrites the dots."""
+    return c.batch == 1 and c.hkv == 1 and sum(n > 1 for n in (c.sq, c.sk, c.d)) <= 1
+
+
+# Found by this suite on XLA:CPU (jax/jaxlib 0.10.2): bf16 attention with one batch and one key/value
+# head, where at most one of Sq, Sk, D exceeds 1, fails to compile under jit: "Algorithm not supported
+# by the ElementalIrEmitter: ALG_DOT_BF16_BF16_F32" (the dot algorithm jax asks for in bf16).
+XLA_CPU_BF16_DEGENERATE = KnownIssue(
+    "XLA:CPU: bf16 attention fails to compile (ALG_DOT_BF16_BF16_F32 in the ElementalIrEmitter) when "
+    "B = Hkv = 1 and at most one of Sq, Sk, D exceeds 1",
+    applies=lambda c: c.dtype == "bfloat16" and _degenerate(c),
+    witness=dict(sq=1, sk=1, d=2, dv=2, dtype="bfloat16"),
+    failure=r"ElementalIrEmitter")
+
+# Found by this suite on XLA:CPU (jaxlib 0.10.2): bf16 at D = 1, B = 1, e.g. Hq = Hkv = 1 and
+# Sq = Sk = 64, aborts the whole process ("ynn_emitter.cc:201] Check failed: instr->opcode() ==
+# HloOpcode::kBitcast (reshape vs. bitcast)"). A witness cannot be run without killing the test
+# run, so this is a declared limit instead of a KnownIssue (docs/findings.md).
+def _xla_cpu_supports(c):
+    if c.dtype == "bfloat16" and c.d == 1 and c.batch == 1:
+        return "XLA:CPU aborts the process on bf16 attention at D = 1 with one batch (ynn_emitter Check failed)"
+    return True
+
+
+# On an H200 (jax 0.11) the suite found the XLA path failing to jit in fp16 at size-1 dimensions;
+# its predicate and witness are to be confirmed by scratch/jax_gpu_findings.py (the degenerate rule
+# above is what XLA:CPU shows for bf16).
+XLA_CUDA_FP16_DEGENERATE = KnownIssue(
+    "XLA:GPU: fp16 attention fails to compile at size-1 dimensions",
+    applies=lambda c: c.dtype == "float16" and _degenerate(c),
+    witness=dict(sq=1, sk=1, d=2, dv=2, dtype="float16"),
+    failure=r"Error|not supported")
+
 xla_attention = _register(
     "jax-xla", _xla, devices=("cpu", "cuda") if _CUDA else ("cpu",),
-    dtypes=("float64", "float32", "float16", "bfloat16") if _CUDA else ("float64", "float32", "bfloat16"),
+    dtypes=("float32", "float16", "bfloat16") if _CUDA else ("float32", "bfloat16"),
     gqa=True, lse=False, head_dims=(1, 256), precision=XLA_PRECISION,
+    known_issues=[XLA_CUDA_FP16_DEGENERATE] if _CUDA else [XLA_CPU_BF16_DEGENERATE],
+    supports=None if _CUDA else _xla_cpu_supports,
     # XLA:CPU compiles each new shape for 1-3 s (forward and vjp): the full run there is opt-in,
     # pytest -m properties --impl jax-xla
     tags=() if _CUDA else ("slow",))
 
-if not _CUDA:
+if _CUDA:
+    # Found by this suite on an H200 (jax 0.11, cuDNN 9): NaN for scale <= 0 (witness to be shrunk
+    # by scratch/jax_gpu_findings.py).
+    CUDNN_NONPOSITIVE_SCALE = KnownIssue(
+        "jax cuDNN attention: scale <= 0 returns NaN",
+        applies=lambda c: c.scale is not None and c.scale <= 0,
+        witness=dict(sq=2, sk=2, d=8, dv=8, scale=0.0, dtype="float16"),
+        failure=r"got \S*nan")
+    _hopper = torch.cuda.get_device_capability() >= (9, 0)
+    cudnn_attention = _register(
+        "jax-cudnn", _cudnn, devices=("cuda",), dtypes=("float16", "bfloat16"), gqa=True, lse=False,
+        # jax's own check: a multiple of 8, at most 256 from sm90 (128 before)
+        head_dims=frozenset(range(8, (256 if _hopper else 128) + 1, 8)), precision="fused",
+        known_issues=[CUDNN_NONPOSITIVE_SCALE])
+
+    def _pallas_supports(c):
+        """What mha refuses with an error: each length a multiple of its forward block (128, or the
+        whole length below it), and, for the backward, Sq and Sk cut into as many blocks of 32."""
+        for n, label in ((c.sq, "Sq"), (c.sk, "Sk")):
+            if n > 128 and n % 128:
+                return f"Pallas mha needs {label} <= 128 or a multiple of 128, got {n}"
+        if c.sq // min(32, c.sq) != c.sk // min(32, c.sk):
+            return f"Pallas mha's backward needs Sq // 32 == Sk // 32 (below 32: one block), got {c.sq}, {c.sk}"
+        return True
+
+    # Found by this suite on an H200 (jax 0.11); predicates and witnesses to be confirmed and shrunk
+    # by scratch/jax_gpu_findings.py. Causal with Sq > Sk also reproduces in Pallas's CPU interpreter:
+    # the last query blocks loop over key blocks past Sk.
+    PALLAS_CAUSAL_SQ_GT_SK = KnownIssue(
+        "Pallas mha: causal with Sq > Sk reads keys past Sk (wrong or NaN output)",
+        applies=lambda c: c.causal is not None and c.sq > c.sk,
+        witness=dict(sq=16, sk=8, d=16, dv=16, causal="top_left", dtype="float16"),
+        failure=r"off by more than allowed|nan")
+    PALLAS_SMALL = KnownIssue(
+        "Pallas mha: wrong results at small head dims (D < 16) or lengths not a multiple of 16",
+        applies=lambda c: c.d < 16 or c.sq % 16 or c.sk % 16,
+        witness=dict(sq=16, sk=16, d=8, dv=8, dtype="float16"),
+        failure=r"off by more than allowed|nan")
+    pallas_attention = _register(
+        "jax-pallas", _pallas, devices=("cuda",), dtypes=("float32", "float16", "bfloat16"), gqa=False, lse=True,
+        head_dims=(1, 256), precision="tf32", supports=_pallas_supports,  # fp32 dots: TF32, to nearest
+        known_issues=[PALLAS_CAUSAL_SQ_GT_SK, PALLAS_SMALL])
+else:
     why = ("a CUDA kernel; this machine has no CUDA" if not torch.cuda.is_available()
            else f"a CUDA kernel, and jax {jax.__version__} here has no GPU backend (jax[cuda12] not installed)")
     UNAVAILABLE.update({"jax-cudnn": why, "jax-pallas": why})
