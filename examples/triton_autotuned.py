@@ -37,9 +37,10 @@ def _configs():
 
 def _prune(configs, named_args, **kwargs):
     """Drop tiles that would not fit the head dim in float32 (the FMA path compiles them for minutes)."""
-    if named_args["Q"].dtype != torch.float32:
+    args = {**named_args, **kwargs}  # the constexprs come as keywords
+    if args["Q"].dtype != torch.float32:
         return configs
-    width = max(named_args["D_PAD"], named_args["DV_PAD"])
+    width = max(args["D_PAD"], args["DV_PAD"])
     return [c for c in configs if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] * width <= FP32_WORK] or configs[-1:]
 
 
@@ -105,7 +106,7 @@ def _probs(q, kt, lse2, rows, keys, qk_scale, SEQ_Q: tl.constexpr, SEQ_K: tl.con
     seen = (keys[None, :] < SEQ_K) & (rows[:, None] < SEQ_Q)
     if CAUSAL:
         seen = seen & (keys[None, :] <= rows[:, None] + (SEQ_K - SEQ_Q))
-    return tl.where(seen, tl.exp2(s - lse2[:, None]), 0.0)
+    return tl.exp2(tl.where(seen, s, float("-inf")) - lse2[:, None])  # hidden scores never reach exp2
 
 
 @triton.autotune(**TUNING)
