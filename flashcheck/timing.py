@@ -105,7 +105,7 @@ class Timing:
             def verdict():  # one more example ran to a verdict
                 counted[0] += 1
                 if self.log:
-                    self._write(dict(kind="example", test=item.nodeid, impl=_impl_name(item),
+                    self._write(dict(kind="example", test=item.nodeid, impl=_impl_name(item), at=time.time(),
                                      t=time.perf_counter() - begun, jit=self.clock.jit_s - start[0]))
 
             @functools.wraps(inner)
@@ -142,7 +142,7 @@ class Timing:
         row = dict(test=report.nodeid, wall=report.duration, **numbers)
         self.rows.append(row)
         if not hasattr(self.config, "workerinput"):  # the controller (or a run without xdist) writes it once
-            self._write(dict(kind="test", **row))
+            self._write(dict(kind="test", at=time.time(), **row))
 
     def pytest_terminal_summary(self, terminalreporter):
         if self.show and self.rows:

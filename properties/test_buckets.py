@@ -42,7 +42,7 @@ def test_every_drawn_shape_comes_from_the_runs_set(on, kind):
         drawn.append(case)
 
     collect()
-    assert len({_shape_of(c) for c in drawn}) > 3, "expected several shapes of the set, drew few"
+    assert len({_shape_of(c) for c in drawn}) > 1, "expected several shapes of the set, drew one"
     # what the buckets leave free still varies: scales, seeds, regimes
     for field in ("scale", "seed", "regime"):
         assert len({getattr(c, field) for c in drawn}) > 2, f"expected {field} to vary, got one value"

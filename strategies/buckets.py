@@ -34,7 +34,9 @@ from hypothesis import strategies as st
 
 ENV = "FLASHCHECK_SHAPE_BUCKETS"
 SEED_ENV = "FLASHCHECK_BUCKET_SEED"
-RANDOM_SHAPES = 8  # drawn per run, on top of the boundary shapes
+# Drawn per run, on top of the boundary shapes. Every shape is one more compile per kernel, dtype
+# and set of flags: a dozen in all keeps most examples on kernels already built.
+RANDOM_SHAPES = 5
 LONG_SHAPES = 4  # shapes of the long region (one half-precision draw in eight)
 TILES = (16, 32, 64, 128)  # block sizes real kernels use: lengths one either side of them
 
@@ -112,8 +114,7 @@ def _boundary(lim: dict) -> list[Shape]:
         Shape(1, 1, 2, 1, c(17), dmax(16), dmax(16), 16, 16),  # Sk > Sq: keys nobody sees when top-left
         Shape(1, 1, min(2, heads), c(15), c(17), dmax(5), dmax(7), 16, 16),  # block - 1, block + 1; GQA; Dv != D
         Shape(1, min(2, heads), 1, c(33), c(31), dmax(32), dmax(32), 32, 16),  # Sq > Sk, two tiles +- 1
-        Shape(min(2, batch), min(2, heads), min(2, heads), c(33), c(33), dmax(24), dmax(24), 16, 32),
-        Shape(1, 1, 1, c(64), c(64), dmax(64), dmax(64), 64, 64),  # exact multiples
+        Shape(min(2, batch), 1, 1, c(64), c(64), dmax(64), dmax(64), 64, 64),  # exact multiples, batch 2
         Shape(min(2, batch), 1, min(3, heads), c(top - 3), c(top - 1), dmax(100), dmax(100), 128, 64),  # large
     ]
 
