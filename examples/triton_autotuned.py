@@ -263,7 +263,7 @@ DTYPES = (torch.float16, torch.float32) if INTERPRET else (torch.float16, torch.
 
 
 @implementation(name="triton-autotuned", causal="bottom_right", dtypes=tuple(str(t)[6:] for t in DTYPES),
-                devices=("cpu",) if INTERPRET else ("cuda",), backward=True, gqa=True, lse=True,
+                devices=("cpu",) if INTERPRET else ("cuda",), backward=True, gqa=True, lse=True, deterministic=True,
                 max_seq=48 if INTERPRET else None, tags=("interpreter",) if INTERPRET else ())
 def attention(q, k, v, *, causal=False, scale=None):
     _check(q, k, v)

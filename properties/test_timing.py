@@ -16,6 +16,7 @@ def test_examples_are_counted_per_test_and_logged(tmp_path, monkeypatch):
     """The plugin's hooks driven by hand on a Hypothesis test that rejects every other draw."""
     log = tmp_path / "timing.jsonl"
     monkeypatch.setenv(timing.LOG_ENV, str(log))
+    monkeypatch.delitem(sys.modules, "triton", raising=False)  # no JIT here: its column reads "-"
 
     @settings(max_examples=20, database=None, derandomize=True)
     @given(st.integers(0, 100))
