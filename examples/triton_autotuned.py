@@ -8,7 +8,9 @@ HEAD_DIM are), and ``@triton.autotune`` picks the tiles per (Sq, Sk, D, Dv). So 
 costs one compile per tile configuration and a benchmark of each: the plug-in the gpu lane's
 shape buckets (strategies/buckets.py) are for. Forward and backward (dK/dV, then dQ, from the
 saved LSE) are Triton kernels; GQA, bottom-right causal masking and rows that see no key
-(O = 0, LSE = -inf) are handled; float32 dots are IEEE.
+(O = 0, LSE = -inf) are handled; float32 dots are IEEE. It declares itself deterministic: no
+atomics (the dK/dV program of a kv head sums its query-head group itself), and the autotuner keeps
+one configuration per shape for the rest of the process.
 
 Without CUDA, set TRITON_INTERPRET=1 before triton is imported (the flashcheck plugin does so on
 a machine without CUDA): the kernels then run on CPU tensors, one tile configuration, float16 and
@@ -49,17 +51,16 @@ TUNING = dict(configs=_configs(), key=["SEQ_Q", "SEQ_K", "HEAD_DIM", "HEAD_DV"],
 
 
 @triton.jit
-def _dot(a, b, IEEE: tl.constexpr):
-    if IEEE:
-        return tl.dot(a, b, input_precision="ieee")
-    return tl.dot(a, b)
+def _dot(a, b):
+    """float32 accumulation; float32 operands multiplied exactly (IEEE), not in TF32."""
+    return tl.dot(a, b, input_precision="ieee")
 
 
 @triton.autotune(**TUNING)
 @triton.jit
 def _fwd(Q, K, V, O, LSE, qk_scale, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som, H, GROUP,
          SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DV: tl.constexpr,
-         D_PAD: tl.constexpr, DV_PAD: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
+         D_PAD: tl.constexpr, DV_PAD: tl.constexpr, CAUSAL: tl.constexpr,
          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_m, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
@@ -76,7 +77,7 @@ def _fwd(Q, K, V, O, LSE, qk_scale, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
         keys = start + cols
         kt = tl.load(K + b * skb + hk * skh + keys[None, :] * skn + dd[:, None],
                      mask=(keys[None, :] < SEQ_K) & (dd[:, None] < HEAD_DIM), other=0.0)
-        s = _dot(q, kt, IEEE) * qk_scale
+        s = _dot(q, kt) * qk_scale
         seen = keys[None, :] < SEQ_K
         if CAUSAL:  # bottom-right: query i sees key j iff j <= i + Sk - Sq
             seen = seen & (keys[None, :] <= rows[:, None] + (SEQ_K - SEQ_Q))
@@ -88,7 +89,7 @@ def _fwd(Q, K, V, O, LSE, qk_scale, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
         l = l * fade + tl.sum(p, 1)
         vt = tl.load(V + b * svb + hk * svh + keys[:, None] * svn + dv[None, :],
                      mask=(keys[:, None] < SEQ_K) & (dv[None, :] < HEAD_DV), other=0.0)
-        acc = acc * fade[:, None] + _dot(p.to(vt.dtype), vt, IEEE)
+        acc = acc * fade[:, None] + _dot(p.to(vt.dtype), vt)
         m = m_new
     empty = l == 0.0  # a row that sees no key: O = 0, LSE = -inf
     o = acc / tl.where(empty, 1.0, l)[:, None]
@@ -99,10 +100,9 @@ def _fwd(Q, K, V, O, LSE, qk_scale, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
 
 
 @triton.jit
-def _probs(q, kt, lse2, rows, keys, qk_scale, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, CAUSAL: tl.constexpr,
-           IEEE: tl.constexpr):
+def _probs(q, kt, lse2, rows, keys, qk_scale, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, CAUSAL: tl.constexpr):
     """P recomputed from the forward's LSE (base 2 here; +inf for rows that see no key, so their P is 0)."""
-    s = _dot(q, kt, IEEE) * qk_scale
+    s = _dot(q, kt) * qk_scale
     seen = (keys[None, :] < SEQ_K) & (rows[:, None] < SEQ_Q)
     if CAUSAL:
         seen = seen & (keys[None, :] <= rows[:, None] + (SEQ_K - SEQ_Q))
@@ -114,7 +114,7 @@ def _probs(q, kt, lse2, rows, keys, qk_scale, SEQ_Q: tl.constexpr, SEQ_K: tl.con
 def _bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, qk_scale, sm_scale, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
               H, GROUP, HKV,
               SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DV: tl.constexpr,
-              D_PAD: tl.constexpr, DV_PAD: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
+              D_PAD: tl.constexpr, DV_PAD: tl.constexpr, CAUSAL: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program per (key tile, batch, kv head); q, dO, K, V, dK, dV contiguous except for Q/K/V strides."""
     pid_n, bh = tl.program_id(0), tl.program_id(1)
@@ -139,10 +139,10 @@ def _bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, qk_scale, sm_scale, sqb, sqh, sqm
             lse = tl.load(LSE + row0 + rows, mask=rows < SEQ_Q, other=float("inf"))
             lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
             delta = tl.load(DELTA + row0 + rows, mask=rows < SEQ_Q, other=0.0)
-            p = _probs(q, kt, lse2, rows, keys, qk_scale, SEQ_Q, SEQ_K, CAUSAL, IEEE)  # (M, N)
-            dv += _dot(tl.trans(p.to(do.dtype)), do, IEEE)
-            ds = p * (_dot(do, vt, IEEE) - delta[:, None])
-            dk += _dot(tl.trans(ds.to(q.dtype)), q, IEEE)
+            p = _probs(q, kt, lse2, rows, keys, qk_scale, SEQ_Q, SEQ_K, CAUSAL)  # (M, N)
+            dv += _dot(tl.trans(p.to(do.dtype)), do)
+            ds = p * (_dot(do, vt) - delta[:, None])
+            dk += _dot(tl.trans(ds.to(q.dtype)), q)
     out = (keys[:, None] < SEQ_K)
     tl.store(DK + (bh * SEQ_K + keys[:, None]) * HEAD_DIM + dd[None, :], (dk * sm_scale).to(DK.dtype.element_ty),
              mask=out & (dd[None, :] < HEAD_DIM))
@@ -155,7 +155,7 @@ def _bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, qk_scale, sm_scale, sqb, sqh, sqm
 def _bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, qk_scale, sm_scale, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
             H, GROUP,
             SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DV: tl.constexpr,
-            D_PAD: tl.constexpr, DV_PAD: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
+            D_PAD: tl.constexpr, DV_PAD: tl.constexpr, CAUSAL: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program per (query tile, batch, query head)."""
     pid_m, bh = tl.program_id(0), tl.program_id(1)
@@ -177,9 +177,9 @@ def _bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, qk_scale, sm_scale, sqb, sqh, sqm, skb,
                      mask=(keys[None, :] < SEQ_K) & (dd[:, None] < HEAD_DIM), other=0.0)
         vt = tl.load(V + b * svb + hk * svh + keys[None, :] * svn + dv_[:, None],
                      mask=(keys[None, :] < SEQ_K) & (dv_[:, None] < HEAD_DV), other=0.0)
-        p = _probs(q, kt, lse2, rows, keys, qk_scale, SEQ_Q, SEQ_K, CAUSAL, IEEE)
-        ds = p * (_dot(do, vt, IEEE) - delta[:, None])
-        dq += _dot(ds.to(kt.dtype), tl.trans(kt), IEEE)
+        p = _probs(q, kt, lse2, rows, keys, qk_scale, SEQ_Q, SEQ_K, CAUSAL)
+        ds = p * (_dot(do, vt) - delta[:, None])
+        dq += _dot(ds.to(kt.dtype), tl.trans(kt))
     tl.store(DQ + (bh * SEQ_Q + rows[:, None]) * HEAD_DIM + dd[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
              mask=(rows[:, None] < SEQ_Q) & (dd[None, :] < HEAD_DIM))
 
@@ -191,8 +191,7 @@ def _pad(n):
 def _shape_args(q, k, v, causal):
     b, hq, sq, d = q.shape
     hkv, sk, dv = k.shape[1], k.shape[2], v.shape[3]
-    return dict(SEQ_Q=sq, SEQ_K=sk, HEAD_DIM=d, HEAD_DV=dv, D_PAD=_pad(d), DV_PAD=_pad(dv), CAUSAL=bool(causal),
-                IEEE=q.dtype == torch.float32)
+    return dict(SEQ_Q=sq, SEQ_K=sk, HEAD_DIM=d, HEAD_DV=dv, D_PAD=_pad(d), DV_PAD=_pad(dv), CAUSAL=bool(causal))
 
 
 def _strides(*tensors):
