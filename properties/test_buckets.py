@@ -50,6 +50,17 @@ def test_every_drawn_shape_comes_from_the_runs_set(on, kind):
         assert len({getattr(c, field) for c in drawn}) > 2, f"expected {field} to vary, got one value"
 
 
+def test_a_second_tiling_uses_the_block_sizes_of_the_runs_shapes(on):
+    blocks = buckets.block_values(on)
+
+    @SAMPLE
+    @given(fs.draw.block_sizes())
+    def second(block):
+        assert block in blocks, f"expected a block size among {blocks}, drew {block}"
+
+    second()
+
+
 @pytest.mark.parametrize("run_seed", range(6))
 def test_every_set_holds_the_boundary_shapes_within_the_limits(run_seed):
     shapes = buckets.shapes(run_seed, tuple(sorted(LIM.items())), fs.draw.BLOCKS, DIMS)
