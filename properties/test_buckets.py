@@ -111,6 +111,9 @@ def test_a_malformed_switch_is_refused_with_its_name(monkeypatch):
 
 def test_the_seed_is_chosen_once_and_kept(monkeypatch):
     monkeypatch.delenv(buckets.SEED_ENV, raising=False)
+    buckets.choose_seed(None)
+    assert buckets.seed() == 0, "expected the same set in every run without a seed"
+    monkeypatch.delenv(buckets.SEED_ENV)
     buckets.choose_seed(1234)
     assert buckets.seed() == 1234
     buckets.choose_seed(99)  # a worker inherits the controller's choice
