@@ -141,7 +141,7 @@ class Timing:
         numbers = dict(report.user_properties).get(_KEY)
         if numbers is None:
             return
-        row = dict(test=report.nodeid, wall=report.duration, **numbers)
+        row = dict(test=report.nodeid, wall=report.duration, outcome=report.outcome, **numbers)
         self.rows.append(row)
         if not hasattr(self.config, "workerinput"):  # the controller (or a run without xdist) writes it once
             self._write(dict(kind="test", at=time.time(), **row))

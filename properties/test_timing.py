@@ -34,7 +34,8 @@ def test_examples_are_counted_per_test_and_logged(tmp_path, monkeypatch):
     prop()
     with pytest.raises(StopIteration):
         call.send(None)
-    report = types.SimpleNamespace(when="call", nodeid=item.nodeid, duration=2.0, user_properties=item.user_properties)
+    report = types.SimpleNamespace(when="call", nodeid=item.nodeid, duration=2.0, outcome="passed",
+                                   user_properties=item.user_properties)
     plugin.pytest_runtest_logreport(report)
     records = [json.loads(line) for line in log.read_text().splitlines()]
     examples = [r for r in records if r["kind"] == "example"]
