@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 import flashcheck
-from flashcheck import report
+from flashcheck import report, timing
 
 MARKERS = (
     "properties: Hypothesis property tests (the main suite: pytest -m properties)",
@@ -104,11 +104,13 @@ def pytest_configure(config):
         raise pytest.UsageError(f"this flashcheck checkout ({checkout}) is not the flashcheck pytest imports "
                                 f"({here}); run pip install -e . in the checkout")
     _switch_triton_interpreter()
-    _load_profile(config)
+    profile = _load_profile(config)
     from flashcheck.impls import ContractError, builtins, load
     from flashcheck.impls.call import device_for
-    from flashcheck.strategies import draw as fs_draw
+    from flashcheck.strategies import buckets, draw as fs_draw
 
+    buckets.choose_seed(config.getoption("hypothesis_seed", None))  # before xdist starts its workers
+    timing.register(config, profile)
     try:
         impls = [load(s) for s in specs] if specs else builtins()
     except ContractError as exc:
@@ -166,6 +168,7 @@ def _load_profile(config):
     if name == "gpu" and not cuda_available() and not config.getoption("--allow-skip"):
         raise pytest.UsageError("the gpu profile is for CUDA runners and this machine has no CUDA "
                                 "(torch.cuda.is_available() is False); pass --allow-skip to run it anyway")
+    return name
 
 
 def _keep_hypothesis_files_in(home: Path):
