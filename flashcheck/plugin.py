@@ -266,13 +266,16 @@ def pytest_runtest_setup(item):
     fs_draw.PINS[0] = frozenset(v for pin in pins for v in pin.kwargs.values() if isinstance(v, AttentionCase))
     fs_draw.PIN_REPORTS.clear()
     impl = _impl_of(item)
+    fs_draw.DRAWING_FOR[0] = impl  # the strategies draw lengths around its declared tiles
     PerImplementation.current = key_of(impl) if impl is not None and _state(item.config) else None
 
 
 def pytest_runtest_teardown(item):
     from flashcheck.database import PerImplementation
+    from flashcheck.strategies import draw as fs_draw
 
     PerImplementation.current = None
+    fs_draw.DRAWING_FOR[0] = None
 
 
 @pytest.hookimpl(wrapper=True)

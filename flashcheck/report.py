@@ -10,7 +10,7 @@
 
 The case comes first, as code, exactly as the property saw it; then the worst entry; then
 where the wrong entries are (query rows for O, LSE and dQ; keys for dK and dV; ``|`` marks
-the implementation's tiles when it declares blocks); then the command that replays it.
+the implementation's tiles when it declares blocks or tiles); then the command that replays it.
 The whole message and traceback go to failure.txt in the reproducer folder, with a
 heatmap of the error (error.png) where matplotlib is installed.
 """
@@ -31,10 +31,13 @@ MAP_WIDTH = 96  # characters of a row/key map before positions are grouped
 
 
 def case_code(case: AttentionCase, impl) -> str:
-    """The case as code (its repr leaves out fields at their defaults); block sizes only for
-    kernels that take them."""
+    """The case as code (its repr leaves out fields at their defaults). Block sizes are always
+    shown for a kernel that takes them or declares fixed tiles, even at their defaults (a tile
+    bug needs them), and never for one that has neither."""
+    if impl.blocks is not None or impl.tiles is not None:
+        return case.code(always=("block_q", "block_k"))
     plain = AttentionCase()
-    return repr(case if impl.blocks is not None else case.replace(block_q=plain.block_q, block_k=plain.block_k))
+    return repr(case.replace(block_q=plain.block_q, block_k=plain.block_k))
 
 
 def _first_error(exc: BaseException) -> BaseException:
@@ -198,7 +201,7 @@ def _describe(e: Entries, case, impl) -> list[str]:
         return lines + [f"  wrong for query heads {_list(np.flatnonzero(e.wrong))} of {e.wrong.size}"]
     keys = e.name in ("dk", "dv")
     per_pos = e.wrong.any(axis=tuple(a for a in range(e.wrong.ndim) if a != 2))
-    block = (case.block_k if keys else case.block_q) if impl.blocks is not None else None
+    block = (case.block_k if keys else case.block_q) if impl.blocks is not None or impl.tiles else None
     what = "key" if keys else "query row"
     lines.append(f"  wrong {e.name} by {what} {_legend(len(per_pos), block)}: {_map(per_pos, block)}")
     heads = np.flatnonzero(e.wrong.any(axis=tuple(a for a in range(e.wrong.ndim) if a != 1)))

@@ -202,12 +202,12 @@ def test_the_examples_are_self_contained(tmp_path):
     assert run.returncode == 0, run.stderr[-1500:]
 
 
-def _failure_with_rows_wrong(rows, blocks):
+def _failure_with_rows_wrong(rows, blocks, tiles=None, block=4):
     from flashcheck import oracle as orc
     from flashcheck.report import Failure, check_entries
 
-    impl = _torch_kernel(lambda q, k, v, **_: q, blocks=blocks)
-    case = Case(sq=8, sk=8, d=2, dv=3, block_q=4, block_k=4)
+    impl = _torch_kernel(lambda q, k, v, **_: q, blocks=blocks, tiles=tiles)
+    case = Case(sq=8, sk=8, d=2, dv=3, block_q=block, block_k=block)
     got = orc.truth(case).o.copy()
     got[:, :, rows, 1] += 1.0
     entries = check_entries(case, "o", got)
@@ -223,6 +223,13 @@ def test_the_error_map_marks_wrong_rows_and_the_kernels_tiles():
     assert text[4] == "  wrong in batch 0 of 1, heads 0 of 1, 1 of 3 value dims", text[4]
     untiled = _failure_with_rows_wrong([0], blocks=None).render(None).splitlines()
     assert "block_q" not in untiled[1] and untiled[3].endswith("): X......."), untiled
+
+
+def test_the_case_shows_block_sizes_at_their_defaults_for_a_kernel_that_takes_or_fixes_them():
+    for declared in (dict(blocks="any"), dict(blocks=None, tiles=(16, 16))):
+        text = _failure_with_rows_wrong([0], block=16, **declared).render(None).splitlines()
+        assert text[1].startswith("  case = AttentionCase(sq=8, sk=8, d=2, dv=3, block_q=16, block_k=16)"), (
+            f"{declared}: expected the 16x16 blocks in the case, got {text[1]}")
 
 
 def test_a_heatmap_is_drawn_only_where_matplotlib_is_installed(tmp_path, monkeypatch):
