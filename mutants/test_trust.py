@@ -5,11 +5,13 @@ The kernels are in mutants/untrusted.py; the properties are called here in proce
 one implementation each. What only a pytest run shows (skips, ordering, FlakyFailure turned
 into a message) is checked through pytest itself in mutants/test_examples.py.
 """
+import re
+
 import pytest
 from hypothesis.errors import UnsatisfiedAssumption
 
 from flashcheck import strategies as fs
-from flashcheck.impls import capabilities, implementation, load
+from flashcheck.impls import call, capabilities, implementation, load
 from mutants import untrusted as ut
 from flashcheck.properties import helpers as ph
 from flashcheck.properties import test_backward, test_bad_input, test_forward, test_invariance, test_known_issues
@@ -82,6 +84,16 @@ def test_the_oracle_code_is_not_counted_as_tested_by_its_own_comparisons():
 def test_an_in_place_write_to_a_float64_input_is_seen():
     with pytest.raises(AssertionError, match="modified its input q"):
         test_invariance.test_inputs_are_never_modified(impl=record(ut.halves_q_in_place))
+
+
+@pytest.mark.parametrize("path", ["plain", "no_grad", "inference_mode"])
+def test_an_in_place_write_on_the_inference_path_alone_is_seen(path):
+    from mutants import fixed_tiles
+
+    inner = test_invariance.test_inputs_are_never_modified.hypothesis.inner_test
+    with pytest.raises(AssertionError, match=f"modified its input q when called {re.escape(call.PATHS[path])}"):
+        inner(impl=fixed_tiles.q_scaled_in_place.__flashcheck__, case=Case(sq=2, sk=3, d=4, dv=4), path=path)
+    inner(impl=fixed_tiles.q_scaled_in_place.__flashcheck__, case=Case(sq=2, sk=3, d=4, dv=4), path="autograd")
 
 
 def test_a_known_issue_must_fail_as_declared_not_just_fail():
