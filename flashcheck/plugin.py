@@ -256,6 +256,25 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip)
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtestloop(session):
+    """A plug-in run first tries one case of every property, and runs those that fail on it first
+    (flashcheck.firstpass); the run proper is pytest's own loop."""
+    state = _state(session.config)
+    distributed = hasattr(session.config, "workerinput") or session.config.getoption("dist", "no") != "no"
+    if state is None or not state.kernel_mode or distributed or session.testsfailed or \
+            session.config.option.collectonly:
+        return None
+    from flashcheck import firstpass
+
+    line = firstpass.run(session, _impl_of, pytest_runtest_setup, pytest_runtest_teardown)
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if line and reporter is not None:
+        reporter.write_line("")
+        reporter.write_line(line, yellow=True)
+    return None
+
+
 def pytest_runtest_setup(item):
     from flashcheck.database import PerImplementation, key_of
     from flashcheck.strategies import AttentionCase

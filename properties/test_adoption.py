@@ -119,6 +119,37 @@ def test_a_failure_reads_in_ten_lines_and_replays_from_another_directory(tmp_pat
     assert again.returncode == 1 and "reproduced" in again.stdout, again.stdout + again.stderr
 
 
+FLIPPING = '''
+import math
+import torch
+from flashcheck import implementation
+
+CALLS = [0]
+
+@implementation(name="flipping", causal=None, dtypes=("float64",), deterministic=True)
+def attention(q, k, v, *, causal=False, scale=None):
+    CALLS[0] += 1
+    if CALLS[0] % 2:  # every other call sums the keys in reverse: right within rounding, not bit for bit
+        k, v = k.flip(2), v.flip(2)
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    g = q.shape[1] // k.shape[1]
+    p = torch.softmax(scale * q @ k.repeat_interleave(g, 1).transpose(-1, -2), -1)
+    return p @ v.repeat_interleave(g, 1)
+'''
+
+
+def test_a_property_failing_on_its_first_case_runs_before_the_others(tmp_path):
+    (tmp_path / "flipping.py").write_text(FLIPPING)
+    run = _pytest(tmp_path, "--impl", "flipping.py:attention", "-x", "-q", "-k",
+                  "test_output_matches_dense_float64 or test_repeated_calls", env={"CI": "true"})
+    assert run.returncode == 1, run.stdout[-3000:]
+    assert ("flashcheck: 1 property failed on a first case" in run.stdout
+            and "run first: test_repeated_calls_on_one_input_are_bitwise_identical[flipping]" in run.stdout), (
+        run.stdout[-3000:])
+    assert re.search(r"^1 failed, \d+ deselected", run.stdout, re.M), (
+        f"expected the failing property alone to run under -x, before the passing one:\n{run.stdout[-1500:]}")
+
+
 def _torch_kernel(fn, **declared):
     return implementation(name="misused", register=False, **declared)(fn).__flashcheck__
 
