@@ -252,10 +252,14 @@ def load(spec: str) -> Implementation:
                             f" (decorated with @implementation in it: {', '.join(found) or 'none found'})")
     if not sep or not target or not attr:
         raise ContractError(f"--impl {spec!r}: expected FILE.py:function, module:function or a built-in name")
+    # as `python -m pytest` and `python my_attn.py` would have it, whichever command started the run:
+    # a module name resolves from the current directory, and a plug-in imports the files beside it
+    _on_path(Path.cwd())
     if target.endswith(".py") or "/" in target:
         path = Path(target).resolve()
         if not path.is_file():
             raise ContractError(f"--impl {spec!r}: no such file {path}")
+        _on_path(path.parent)
         mod_name = f"flashcheck_plugin_{path.stem}_{abs(hash(str(path)))}"
         module_spec = importlib.util.spec_from_file_location(mod_name, path)
         module = importlib.util.module_from_spec(module_spec)
@@ -279,6 +283,12 @@ def load(spec: str) -> Implementation:
     SPECS[record.name] = spec
     ORIGINS[record.name] = _origin(module, attr)
     return record
+
+
+def _on_path(folder: Path) -> None:
+    entry = str(folder.resolve())
+    if entry not in (str(Path(p or ".").resolve()) for p in sys.path):
+        sys.path.insert(0, entry)
 
 
 def _origin(module, attr: str) -> dict:

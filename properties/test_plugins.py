@@ -32,6 +32,35 @@ def test_load_by_file_and_by_module_give_the_declared_record():
     assert load("numpy-dense").name == "numpy-dense"  # a built-in by its name
 
 
+SIBLING_PLUGIN = """
+from flashcheck import implementation
+from {helper} import attend
+
+@implementation(name="{name}", register=False)
+def attention(q, k, v, *, causal=False, scale=None):
+    return attend(q, k, v)
+"""
+
+
+def test_a_plugin_imports_its_sibling_files_by_path_from_any_directory_and_by_module_from_its_own(
+        tmp_path, monkeypatch):
+    kernel, elsewhere = tmp_path / "kernel", tmp_path / "elsewhere"
+    kernel.mkdir(), elsewhere.mkdir()
+    (kernel / "sibling_kernel_a.py").write_text("def attend(q, k, v):\n    return q\n")
+    (kernel / "sibling_kernel_b.py").write_text("def attend(q, k, v):\n    return q\n")
+    (kernel / "plug_by_path.py").write_text(SIBLING_PLUGIN.format(helper="sibling_kernel_a", name="by-path"))
+    (kernel / "plug_by_module.py").write_text(SIBLING_PLUGIN.format(helper="sibling_kernel_b", name="by-module"))
+    cwd = str(Path.cwd())
+    # as the pytest command starts: neither the current directory nor the plug-in's folder on sys.path
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", cwd, str(kernel))])
+    monkeypatch.chdir(elsewhere)
+    assert load(f"{kernel}/plug_by_path.py:attention").name == "by-path"
+    monkeypatch.chdir(kernel)
+    assert load("plug_by_module:attention").name == "by-module"
+    for name in ("sibling_kernel_a", "sibling_kernel_b", "plug_by_module"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+
+
 @pytest.mark.parametrize("spec,words", [
     ("nowhere/missing.py:attention", "no such file"),
     ("examples/numpy_rowwise.py:nope", "has no attribute 'nope'"),
