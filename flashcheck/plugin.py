@@ -93,7 +93,8 @@ def pytest_configure(config):
     specs = _specs(config)
     checkout = _checkout(Path(str(config.rootpath)).resolve())
     if not specs and checkout is None:
-        return  # a pytest run that is not about flashcheck
+        config.flashcheck_idle = True  # a pytest run that is not about flashcheck, unless it finds nothing
+        return
     for line in MARKERS:
         config.addinivalue_line("markers", line)
     # Hypothesis imports libcst to write a patch for a failing example; its deprecations are noise here
@@ -419,7 +420,12 @@ def pytest_sessionfinish(session, exitstatus):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
-def pytest_terminal_summary(terminalreporter, config):
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
     state = _state(config)
     if state is not None and state.verdict:
         terminalreporter.write_line(state.verdict, red=True, bold=True)
+    if getattr(config, "flashcheck_idle", False) and exitstatus == pytest.ExitCode.NO_TESTS_COLLECTED:
+        # outside a flashcheck checkout the kernel properties run only on a kernel named with --impl
+        terminalreporter.write_line("flashcheck: no --impl given, so no kernel property ran; test your kernel with "
+                                    "pytest --impl FILE.py:function -m properties (or flashcheck check "
+                                    "FILE.py:function)", yellow=True)

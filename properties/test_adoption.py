@@ -85,6 +85,14 @@ def test_nothing_to_test_on_this_machine_stops_the_run_with_one_line(tmp_path, a
     assert run.returncode not in (0, 1) and words in out and len(out.splitlines()) <= 2, out[-2000:]
 
 
+def test_no_impl_outside_a_checkout_says_so_with_the_command_to_run(tmp_path):
+    run = _pytest(tmp_path, "-m", "properties")
+    assert run.returncode == 5, run.stdout[-2000:]
+    line = [line for line in run.stdout.splitlines() if line.startswith("flashcheck:")]
+    assert line == ["flashcheck: no --impl given, so no kernel property ran; test your kernel with pytest --impl "
+                    "FILE.py:function -m properties (or flashcheck check FILE.py:function)"], run.stdout[-2000:]
+
+
 def test_a_run_whose_every_kernel_property_was_skipped_fails_unless_allowed(tmp_path):
     _kernel(tmp_path)  # declares no LSE: every LSE property skips
     args = ("--impl", "my_attn.py:attention", "-k", "lse", "-q")
