@@ -11,7 +11,8 @@
   is not declared (flashcheck.impls.capabilities). A property none of whose drawn cases fits
   the declarations is skipped with them; one input that gave two verdicts (Hypothesis's
   FlakyFailure) is reported as nondeterminism; an ``@example`` pin refitted to the
-  declarations, or not run on them, is a PinNotAsWritten warning.
+  declarations, or not run on them, is a PinNotAsWritten warning (in a plug-in run, only for the
+  pins of the user's own tests: the suite's pins are refitted to every kernel by design).
 - Numeric properties run before the ``input_validation`` ones, so a kernel that validates
   nothing does not stop an ``-x`` run before its numbers were checked.
 - A failing kernel property prints a short report (flashcheck.report) and writes a reproducer.
@@ -227,6 +228,17 @@ def pytest_generate_tests(metafunc):
     metafunc.parametrize("impl", [pytest.param(i, id=i.name, marks=_marks(i, needs)) for i in state.impls])
 
 
+def pytest_ignore_collect(collection_path, config):
+    """A plug-in run does not even import the suite's self-test modules (none of their tests takes
+    ``impl``): their imports and module-level skips (no triton here) would be noise in its report."""
+    state = _state(config)
+    path = Path(str(collection_path)).resolve()
+    if state is None or not state.kernel_mode or path.suffix != ".py" or not path.name.startswith("test_") \
+            or path.parent != _properties_dir():
+        return None
+    return None if re.search(r"def test_\w+\(\s*impl\b", path.read_text()) else True
+
+
 def _in_suite(item, state) -> bool:
     path = str(Path(str(item.path)).resolve())
     return any(path.startswith(str(d)) for d in state.suite_dirs)
@@ -324,8 +336,16 @@ def pytest_pyfunc_call(pyfuncitem):
 
         raise AssertionError(ph.nondeterminism(impl, last[1], first=(exc.exceptions or [None])[0])) from exc
     finally:
-        if fs_draw.PIN_REPORTS:
+        if fs_draw.PIN_REPORTS and _pins_are_news(pyfuncitem):
             pyfuncitem.warn(fs_draw.PinNotAsWritten(f"{impl.name if impl else ''}: " + "; ".join(fs_draw.PIN_REPORTS)))
+
+
+def _pins_are_news(item) -> bool:
+    """A pin not run as written is news to whoever wrote it: the suite's own pins are refitted to
+    every kernel by design, so a plug-in run reports only the pins of the user's own tests."""
+    state = _state(item.config)
+    own = Path(str(item.path)).resolve().parent == _properties_dir()
+    return not (state is not None and state.kernel_mode and own)
 
 
 @pytest.hookimpl(wrapper=True)
@@ -372,7 +392,7 @@ def pytest_runtest_makereport(item, call):
         if failure.case is not None:  # a property about one case (not e.g. a malformed-input check)
             from flashcheck import repro
 
-            where = repro.write(failure.case, origin_of(impl), item.nodeid, failure.full_message)
+            where = repro.write(failure.case, origin_of(impl), item.nodeid, failure.full_message, who=impl.name)
             report.heatmap(failure, where / "error.png")
     except Exception as exc:  # a reproducer is a courtesy: never mask the real failure
         rep.sections.append(("flashcheck reproducer", f"could not be written: {type(exc).__name__}: {exc}"))

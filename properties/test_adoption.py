@@ -121,6 +121,7 @@ def test_a_failure_reads_in_ten_lines_and_replays_from_another_directory(tmp_pat
     assert "wrong o by query row (X wrong, . right): X." in run.stdout, "\n".join(block)
     replay = [line.split("replay: ")[1] for line in block if "replay: " in line][0]
     assert replay.startswith("flashcheck replay /"), replay
+    assert "/test_output_matches_dense_float64-dense-off-by-one-" in replay, f"named after the kernel: {replay}"
     folder = replay.split("flashcheck replay ")[1]
     again = subprocess.run([sys.executable, "-m", "flashcheck", "replay", folder], cwd=elsewhere,
                            capture_output=True, text=True, timeout=120)
@@ -144,6 +145,29 @@ def attention(q, k, v, *, causal=False, scale=None):
     p = torch.softmax(scale * q @ k.repeat_interleave(g, 1).transpose(-1, -2), -1)
     return p @ v.repeat_interleave(g, 1)
 '''
+
+
+USER_PIN_TEST = '''
+from hypothesis import example, given
+from flashcheck import strategies as fs
+from flashcheck.strategies import AttentionCase as Case
+
+@given(case=fs.cases())
+@example(case=Case(sq=3, sk=3, causal="top_left"))
+def test_my_own_pin(impl, case):
+    fs.fit(impl, case)
+'''
+
+
+def test_a_users_pin_not_run_as_written_warns_and_the_suites_own_pins_never_do(tmp_path):
+    _kernel(tmp_path)  # bottom-right only: the suite's top-left pins are refitted, and so is the user's
+    (tmp_path / "test_mine.py").write_text(USER_PIN_TEST)
+    run = _pytest(tmp_path, "--impl", "my_attn.py:attention", "test_mine.py", "-q", "-k",
+                  "test_my_own_pin or test_output_matches_dense_float64", env={"CI": "true"})
+    assert run.returncode == 0, run.stdout[-3000:]
+    warned = [line for line in run.stdout.splitlines() if "PinNotAsWritten" in line]
+    assert len(warned) == 1 and "@example Case(sq=3, sk=3, causal='top_left') refitted: causal 'top_left' -> " \
+        "'bottom_right'" in warned[0], f"expected one warning, for the user's pin alone: {warned}"
 
 
 def test_a_property_failing_on_its_first_case_runs_before_the_others(tmp_path):
@@ -256,7 +280,8 @@ def _failure_with_rows_wrong(rows, blocks, tiles=None, block=4):
 def test_the_error_map_marks_wrong_rows_and_the_kernels_tiles():
     text = _failure_with_rows_wrong([4, 5, 6, 7], blocks="any").render(None).splitlines()
     assert text[1] == "  case = AttentionCase(sq=8, sk=8, d=2, dv=3, block_q=4, block_k=4)  # shrunk, fitted to misused"
-    assert re.match(r"  o\[0, 0, [4-7], 1\]: expected -?[\d.]+, got -?[\d.]+ \(error 1, allowed [\d.e+-]+\); "
+    assert re.match(r"  o\[0, 0, [4-7], 1\]: expected -?[\d.]+, got -?[\d.]+ \(error 1, relative error [\d.e+-]+, "
+                    r"allowed [\d.e+-]+\); "
                     r"4 of 24 entries wrong$", text[2]), text[2]
     assert text[3] == "  wrong o by query row (X wrong, . right; | every 4): ....|XXXX", text[3]
     assert text[4] == "  wrong in batch 0 of 1, heads 0 of 1, 1 of 3 value dims", text[4]
@@ -269,6 +294,13 @@ def test_the_case_shows_block_sizes_at_their_defaults_for_a_kernel_that_takes_or
         text = _failure_with_rows_wrong([0], block=16, **declared).render(None).splitlines()
         assert text[1].startswith("  case = AttentionCase(sq=8, sk=8, d=2, dv=3, block_q=16, block_k=16)"), (
             f"{declared}: expected the 16x16 blocks in the case, got {text[1]}")
+
+
+def test_numpy_scalar_reprs_in_a_message_read_as_plain_numbers():
+    from flashcheck.report import plain_numbers
+
+    text = "expected np.float64(0.25), got np.float32(nan) at (np.int64(0), 1)"
+    assert plain_numbers(text) == "expected 0.25, got nan at (0, 1)", plain_numbers(text)
 
 
 def test_a_heatmap_is_drawn_only_where_matplotlib_is_installed(tmp_path, monkeypatch):
