@@ -236,7 +236,7 @@ def pytest_ignore_collect(collection_path, config):
     if state is None or not state.kernel_mode or path.suffix != ".py" or not path.name.startswith("test_") \
             or path.parent != _properties_dir():
         return None
-    return None if re.search(r"def test_\w+\(\s*impl\b", path.read_text()) else True
+    return None if re.search(r"^def test_\w+\(\s*impl\b", path.read_text(), re.M) else True
 
 
 def _in_suite(item, state) -> bool:

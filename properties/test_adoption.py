@@ -147,16 +147,16 @@ def attention(q, k, v, *, causal=False, scale=None):
 '''
 
 
-USER_PIN_TEST = '''
-from hypothesis import example, given
-from flashcheck import strategies as fs
-from flashcheck.strategies import AttentionCase as Case
+USER_PIN_TEST = textwrap.dedent('''
+    from hypothesis import example, given
+    from flashcheck import strategies as fs
+    from flashcheck.strategies import AttentionCase as Case
 
-@given(case=fs.cases())
-@example(case=Case(sq=3, sk=3, causal="top_left"))
-def test_my_own_pin(impl, case):
-    fs.fit(impl, case)
-'''
+    @given(case=fs.cases())
+    @example(case=Case(sq=3, sk=3, causal="top_left"))
+    def test_my_own_pin(impl, case):
+        fs.fit(impl, case)
+''')
 
 
 def test_a_users_pin_not_run_as_written_warns_and_the_suites_own_pins_never_do(tmp_path):
