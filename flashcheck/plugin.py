@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -106,6 +107,8 @@ def pytest_configure(config):
                                 f"({here}); run pip install -e . in the checkout")
     _switch_triton_interpreter()
     _load_profile(config)
+    if os.environ.get("FLASHCHECK_PROPERTY_SECONDS"):
+        _seconds(os.environ["FLASHCHECK_PROPERTY_SECONDS"])  # a bad value stops the run before it starts
     from flashcheck.impls import ContractError, builtins, load
     from flashcheck.impls.call import device_for
     from flashcheck.strategies import draw as fs_draw
@@ -299,7 +302,19 @@ def pytest_runtest_setup(item):
     fs_draw.PIN_REPORTS.clear()
     impl = _impl_of(item)
     fs_draw.DRAWING_FOR[0] = impl  # the strategies draw lengths around its declared tiles
+    seconds = os.environ.get("FLASHCHECK_PROPERTY_SECONDS")
+    fs_draw.BUDGET[0] = time.monotonic() + _seconds(seconds) if seconds and impl is not None else None
     PerImplementation.current = key_of(impl) if impl is not None and _state(item.config) else None
+
+
+def _seconds(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = 0.0
+    if not seconds > 0:
+        raise pytest.UsageError(f"FLASHCHECK_PROPERTY_SECONDS={text!r}: expected a number of seconds > 0")
+    return seconds
 
 
 def pytest_runtest_teardown(item):
@@ -307,7 +322,7 @@ def pytest_runtest_teardown(item):
     from flashcheck.strategies import draw as fs_draw
 
     PerImplementation.current = None
-    fs_draw.DRAWING_FOR[0] = None
+    fs_draw.DRAWING_FOR[0] = fs_draw.BUDGET[0] = None
 
 
 @pytest.hookimpl(wrapper=True)

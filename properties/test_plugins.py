@@ -110,6 +110,27 @@ def test_a_plugin_declaring_nothing_runs_with_the_defaults():
     assert record.dtypes == ("float32",) and record.causal == ("bottom_right",) and not record.has_backward
 
 
+def test_a_spent_time_budget_ends_a_property_after_the_cases_already_run(monkeypatch):
+    import time
+
+    from hypothesis import HealthCheck, given, settings
+
+    from flashcheck import strategies as fs
+
+    impl = load("numpy-dense")
+    ran = []
+
+    @settings(max_examples=8, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @given(fs.cases())
+    def prop(case):
+        ran.append(fs.fit(impl, case))
+
+    monkeypatch.setattr(fs.draw, "LAST_FITTED", [None])
+    monkeypatch.setattr(fs.draw, "BUDGET", [time.monotonic() - 1])  # spent before the property starts
+    prop()
+    assert len(ran) == 1, f"expected the first case alone once the budget is spent, ran {len(ran)}"
+
+
 def test_repeated_impl_and_the_environment_select_the_same_implementations():
     args = ["-m", "properties", "-q", "--collect-only", "properties/test_forward.py"]
     both = _pytest(*args, "--impl", "examples/numpy_rowwise.py:attention", "--impl", "flashcheck.impls.numpy_ref:dense_forward")

@@ -8,6 +8,7 @@ no causal mask and seed 0, unless the bug needs more.
 from __future__ import annotations
 
 import math
+import time
 
 from hypothesis import currently_in_test_context, note, reject, settings
 from hypothesis import strategies as st
@@ -174,7 +175,8 @@ LAST_FITTED: list = [None]  # (impl, case) of the latest fit: the case a failure
 PINS: list = [frozenset()]  # the running test's @example cases (the pytest plugin sets it)
 PIN_REPORTS: list[str] = []  # pins that were refitted or not run, reported after the test
 LAST_REFUSAL: list = [None]  # why the latest case was rejected: shown when no case fits at all
-FIRST_PASS: list = [False]  # True during the plugin's first pass (flashcheck/firstpass.py), then the coverage pin it ran
+BUDGET: list = [None]  # time.monotonic() past which generated cases are refused (the plugin sets it)
+FIRST_PASS: list = [False]  # True in the plugin's first pass (flashcheck/firstpass.py), then the coverage pin it ran
 
 
 class PinNotAsWritten(UserWarning):
@@ -235,6 +237,9 @@ def fit(impl, case: AttentionCase) -> AttentionCase:
     case for every implementation. A pin that had to change, or cannot run at all, is
     reported (PIN_REPORTS), so that it never passes without testing what it names.
     """
+    if BUDGET[0] is not None and LAST_FITTED[0] is not None and case not in PINS[0] and time.monotonic() > BUDGET[0]:
+        LAST_REFUSAL[0] = "the property's time budget is spent (FLASHCHECK_PROPERTY_SECONDS)"
+        reject()  # Hypothesis ends the property once its refusals pile up: a night sized by time
     c, why = supported(impl, case)
     if c is None:
         _pin_report(case, f"not run: {why}")
