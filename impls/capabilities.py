@@ -61,7 +61,7 @@ CAPABILITIES = {
     "masked": _masked,
     "independent": _independent,
     "float64": lambda i: None if "float64" in i.dtypes else f"{i.name} does not declare float64",
-    # the feature matrix (README, "Features")
+    # the feature matrix (docs/features.md)
     **{f: (lambda f: lambda i: None if getattr(i, f) else f"{i.name} does not declare {f}=True")(f)
        for f in ("window", "softcap", "alibi", "sinks", "dropout")},
     "features": lambda i: None if (i.window or i.softcap or i.alibi or i.sinks)
@@ -82,7 +82,7 @@ def declared(impl: Implementation) -> str:
     """The declarations that narrow what is drawn, for a skip line."""
     shown = []
     for name in ("causal", "causal_only", "dtypes", "head_dims", "equal_head_dims", "seq_multiple", "min_seq",
-                 "max_seq", "equal_lengths", "masked_rows", "gqa", "blocks", "scale_arg"):
+                 "max_seq", "equal_lengths", "masked_rows", "gqa", "blocks", "tiles", "scale_arg"):
         value = getattr(impl, name)
         default = Implementation.__dataclass_fields__[name].default
         if value != default:

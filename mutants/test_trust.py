@@ -146,6 +146,16 @@ def test_an_in_place_write_to_a_float64_input_is_seen():
         test_invariance.test_inputs_are_never_modified(impl=record(ut.halves_q_in_place))
 
 
+@pytest.mark.parametrize("path", ["plain", "no_grad", "inference_mode"])
+def test_an_in_place_write_on_the_inference_path_alone_is_seen(path):
+    from mutants import fixed_tiles
+
+    inner = test_invariance.test_inputs_are_never_modified.hypothesis.inner_test
+    with pytest.raises(AssertionError, match=f"modified its input q when called {re.escape(call.PATHS[path])}"):
+        inner(impl=fixed_tiles.q_scaled_in_place.__flashcheck__, case=Case(sq=2, sk=3, d=4, dv=4), path=path)
+    inner(impl=fixed_tiles.q_scaled_in_place.__flashcheck__, case=Case(sq=2, sk=3, d=4, dv=4), path="autograd")
+
+
 def test_a_known_issue_must_fail_as_declared_not_just_fail():
     with pytest.raises(AssertionError, match="not as declared"):
         test_known_issues.test_each_known_issue_still_reproduces(record(ut.wrong_at_zero_scale))

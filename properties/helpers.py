@@ -100,7 +100,7 @@ def repeat_differences(impl, case, calls: int = 2) -> list[str]:
                 gap = np.where(same, 0.0, np.nan_to_num(np.abs(a - b), nan=np.inf))
             idx = tuple(int(i) for i in np.unravel_index(np.argmax(gap), gap.shape))
             lines.append(f"{name}: {int((~same).sum())} of {a.size} entries differ; largest difference "
-                         f"{gap[idx]:.3e} at {idx} ({a[idx]!r} then {b[idx]!r})")
+                         f"{gap[idx]:.3e} at {idx} ({float(a[idx])!r} then {float(b[idx])!r})")
         if lines:
             break
     return lines

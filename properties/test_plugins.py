@@ -32,6 +32,35 @@ def test_load_by_file_and_by_module_give_the_declared_record():
     assert load("numpy-dense").name == "numpy-dense"  # a built-in by its name
 
 
+SIBLING_PLUGIN = """
+from flashcheck import implementation
+from {helper} import attend
+
+@implementation(name="{name}", register=False)
+def attention(q, k, v, *, causal=False, scale=None):
+    return attend(q, k, v)
+"""
+
+
+def test_a_plugin_imports_its_sibling_files_by_path_from_any_directory_and_by_module_from_its_own(
+        tmp_path, monkeypatch):
+    kernel, elsewhere = tmp_path / "kernel", tmp_path / "elsewhere"
+    kernel.mkdir(), elsewhere.mkdir()
+    (kernel / "sibling_kernel_a.py").write_text("def attend(q, k, v):\n    return q\n")
+    (kernel / "sibling_kernel_b.py").write_text("def attend(q, k, v):\n    return q\n")
+    (kernel / "plug_by_path.py").write_text(SIBLING_PLUGIN.format(helper="sibling_kernel_a", name="by-path"))
+    (kernel / "plug_by_module.py").write_text(SIBLING_PLUGIN.format(helper="sibling_kernel_b", name="by-module"))
+    cwd = str(Path.cwd())
+    # as the pytest command starts: neither the current directory nor the plug-in's folder on sys.path
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", cwd, str(kernel))])
+    monkeypatch.chdir(elsewhere)
+    assert load(f"{kernel}/plug_by_path.py:attention").name == "by-path"
+    monkeypatch.chdir(kernel)
+    assert load("plug_by_module:attention").name == "by-module"
+    for name in ("sibling_kernel_a", "sibling_kernel_b", "plug_by_module"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+
+
 @pytest.mark.parametrize("spec,words", [
     ("nowhere/missing.py:attention", "no such file"),
     ("examples/numpy_rowwise.py:nope", "has no attribute 'nope'"),
@@ -52,6 +81,9 @@ def test_a_bad_impl_spec_gets_an_error_naming_it(spec, words):
     (dict(framework="jax"), "framework must be"),
     (dict(framework="numpy", backward=True), "callable"),
     (dict(blocks=(0, 16)), "blocks must be"),
+    (dict(tiles=(32,)), "tiles must be"),
+    (dict(tiles=(32, 0)), "tiles must be"),
+    (dict(tiles=(32, 48), blocks="any"), "not both"),
     (dict(head_dims=(0, 8)), "head_dims"),
     (dict(seq_multiple=0), "seq_multiple"),
     (dict(name=""), "non-empty"),
@@ -161,6 +193,27 @@ def test_a_plugin_declaring_nothing_runs_with_the_defaults():
 
     record = bare.__flashcheck__
     assert record.dtypes == ("float32",) and record.causal == ("bottom_right",) and not record.has_backward
+
+
+def test_a_spent_time_budget_ends_a_property_after_the_cases_already_run(monkeypatch):
+    import time
+
+    from hypothesis import HealthCheck, given, settings
+
+    from flashcheck import strategies as fs
+
+    impl = load("numpy-dense")
+    ran = []
+
+    @settings(max_examples=8, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @given(fs.cases())
+    def prop(case):
+        ran.append(fs.fit(impl, case))
+
+    monkeypatch.setattr(fs.draw, "LAST_FITTED", [None])
+    monkeypatch.setattr(fs.draw, "BUDGET", [time.monotonic() - 1])  # spent before the property starts
+    prop()
+    assert len(ran) == 1, f"expected the first case alone once the budget is spent, ran {len(ran)}"
 
 
 def test_repeated_impl_and_the_environment_select_the_same_implementations():
