@@ -12,8 +12,8 @@ so they are declared where there is no backward to trust that path to (CPU).
 
 Compiled means compiled for every call (``Compiled``): dynamo's defaults would run eager flex,
 silently, once one function has been recompiled 8 times, and a suite that draws hundreds of
-shapes and feature combinations passes that in minutes. So the shapes are dynamic, the masks'
-offsets are tensors (a Python int in a mask_mod is a guard: one graph per value), the recompile
+shapes and feature combinations passes that in minutes. So the masks' offsets and the softcap
+are tensors (a Python int in a mask_mod is a guard: one graph per value), the recompile
 limits are raised, and a call that ran no compiled graph raises ``RanEager`` instead of returning.
 Eager FlexAttention on CPU is deliberate: inductor compiles it there too, but its first compile
 takes about a minute on a 2-core machine.
@@ -63,7 +63,7 @@ def _limits():
 
 
 class Compiled:
-    """``fn`` under torch.compile (one graph, dynamic shapes), checked on every call: the backend
+    """``fn`` under torch.compile (static shapes, raised limits), checked on every call: the backend
     wraps each graph it compiles so that running it is counted, and a call that ran none (dynamo
     skipped the frame, or fell back to eager) raises RanEager. ``backend`` is dynamo's name of the
     compiler doing the work ("eager" lets the suite test this guard on CPU without inductor)."""
@@ -73,7 +73,10 @@ class Compiled:
         self.compiles = self.runs = 0  # graphs compiled, and calls that ran one
         self.error = None  # the last error a call raised (a failed compile, say), for RanEager to name
         self._backend = backend
-        self.fn = torch.compile(fn, backend=self._compile, dynamic=True, fullgraph=True)
+        # Static shapes: each shape is a graph of its own (the gpu lane draws about a dozen), which
+        # is what inductor's flex lowers reliably on torch 2.11 (dynamic shapes failed there with
+        # 'unbacked_bindings' and fake-tensor errors on every softcap, ALiBi and window case).
+        self.fn = torch.compile(fn, backend=self._compile, dynamic=False, fullgraph=True)
 
     def _compile(self, gm, example_inputs):
         self.compiles += 1
@@ -130,14 +133,14 @@ def _mask_mod(sq, sk, align, window, device):
     return mask
 
 
-def _score_mod(sq, sk, softcap, slopes):
-    # softcap stays a Python float, as users write it (dynamic=True makes it no guard); the
-    # ALiBi distance's offset is a tensor for the reason in _mask_mod
-    diag = None if slopes is None else torch.tensor(sk - sq, dtype=torch.int32, device=slopes.device)
+def _score_mod(sq, sk, softcap, slopes, device, dtype):
+    # softcap and the ALiBi distance's offset are tensors, for the reason in _mask_mod
+    diag = torch.tensor(sk - sq, dtype=torch.int32, device=device)
+    cap = torch.tensor(softcap, dtype=dtype, device=device)
 
     def score(s, b, h, i, j):
         if softcap:
-            s = softcap * torch.tanh(s / softcap)
+            s = cap * torch.tanh(s / cap)
         if slopes is not None:
             s = s - slopes[b, h] * (i + diag - j).abs()
         return s
@@ -180,7 +183,7 @@ def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0
         mask = None
     cdt = torch.float64 if q.dtype == torch.float64 else torch.float32  # the dtype flex computes scores in
     slopes = None if alibi_slopes is None else alibi_slopes.to(cdt).expand(b, hq)
-    mod = _score_mod(sq, sk, float(softcap), slopes) if softcap or slopes is not None else None
+    mod = _score_mod(sq, sk, float(softcap), slopes, q.device, cdt) if softcap or slopes is not None else None
     if sinks is not None and q.dtype in (torch.float16, torch.bfloat16):
         # the sink rescales O after flex: from a half-precision O that would round it twice
         q, k, v = (x.float() for x in (q, k, v))

@@ -202,7 +202,9 @@ def _pallas(q, k, v, *, causal, scale, lse):
 # attention in the input type, which bounds this). On an sm80+ GPU its float32 dots run on TF32
 # (jax's default matmul precision), which "naive" does not admit, so it declares "tf32" there and
 # the bf16/fp16 dP rounding can still be reported at ~1.2x (seen on an H200).
-XLA_PRECISION = "tf32" if _CUDA else "naive"
+# The oracle now declares those sites: "dense" (P normalized before it is rounded, dP rounded to t),
+# and "tf32" for the float32 dots on a GPU.
+XLA_PRECISION = "tf32+dense" if _CUDA else "naive"
 
 
 def _degenerate(c) -> bool:
@@ -259,8 +261,17 @@ if _CUDA:
         witness=dict(sq=2, sk=2, d=8, dv=8, scale=0.0, dtype="float16"),
         failure=r"got \S*nan")
     _hopper = torch.cuda.get_device_capability() >= (9, 0)
+    def _cudnn_supports(c):
+        # Seen on an H200 (jax 0.11): the backward raises "NotImplementedError: Unsupported sequence
+        # length Q 17, KV 33" (also Q 1 KV 1, Q 3 KV 5); multiples of 64 are what cuDNN's fused
+        # backward is documented to take on every version, so that is what is declared.
+        if c.sq % 64 or c.sk % 64:
+            return f"jax's cuDNN attention backward needs Sq and Sk multiples of 64, got {c.sq}, {c.sk}"
+        return True
+
     cudnn_attention = _register(
         "jax-cudnn", _cudnn, devices=("cuda",), dtypes=("float16", "bfloat16"), gqa=True, lse=False,
+        supports=_cudnn_supports,
         # jax's own check: a multiple of 8, at most 256 from sm90 (128 before)
         head_dims=frozenset(range(8, (256 if _hopper else 128) + 1, 8)), precision="fused",
         known_issues=[CUDNN_NONPOSITIVE_SCALE])
@@ -268,6 +279,9 @@ if _CUDA:
     def _pallas_supports(c):
         """What mha refuses with an error: each length a multiple of its forward block (128, or the
         whole length below it), and, for the backward, Sq and Sk cut into as many blocks of 32."""
+        for n, label in ((c.sq, "Sq"), (c.sk, "Sk"), (c.d, "D")):
+            if n & (n - 1):  # seen on an H200: "requires ... arrays whose size is a power of 2"
+                return f"Pallas's Triton lowering needs power-of-two sizes, got {label} = {n}"
         for n, label in ((c.sq, "Sq"), (c.sk, "Sk")):
             if n > 128 and n % 128:
                 return f"Pallas mha needs {label} <= 128 or a multiple of 128, got {n}"
