@@ -12,11 +12,13 @@ so they are declared where there is no backward to trust that path to (CPU).
 
 Compiled means compiled for every call (``Compiled``): dynamo's defaults would run eager flex,
 silently, once one function has been recompiled 8 times, and a suite that draws hundreds of
-shapes and feature combinations passes that in minutes. So the shapes are dynamic, the masks'
-offsets are tensors (a Python int in a mask_mod is a guard: one graph per value), the recompile
-limits are raised, and a call that ran no compiled graph raises ``RanEager`` instead of returning.
-Eager FlexAttention on CPU is deliberate: inductor compiles it there too, but its first compile
-takes about a minute on a 2-core machine.
+shapes and feature combinations passes that in minutes. So the shapes are dynamic, every number
+the mask_mod and score_mod capture is a tensor (a Python int is a guard: one graph per value; a
+Python float, a symbolic input inductor cannot lower), the recompile limits are raised, and a call
+that ran no compiled graph raises ``RanEager`` instead of returning.
+Eager FlexAttention on CPU is deliberate: inductor's CPU FlexAttention (torch 2.13) returns no LSE
+and has no backward ("torch.compile on CPU only supports inference and `return_lse` is not
+supported yet"), and its first compile takes about a minute on a 2-core machine.
 """
 from __future__ import annotations
 
@@ -130,14 +132,16 @@ def _mask_mod(sq, sk, align, window, device):
     return mask
 
 
-def _score_mod(sq, sk, softcap, slopes):
-    # softcap stays a Python float, as users write it (dynamic=True makes it no guard); the
-    # ALiBi distance's offset is a tensor for the reason in _mask_mod
-    diag = None if slopes is None else torch.tensor(sk - sq, dtype=torch.int32, device=slopes.device)
+def _score_mod(sq, sk, softcap, slopes, device, dtype):
+    # The softcap is a tensor too: under dynamic shapes a captured Python float becomes a symbolic
+    # input that inductor's FlexAttention lowering rejects (torch 2.13: "LoweringException:
+    # unbacked_bindings"); the ALiBi distance's offset is one for the reason in _mask_mod.
+    cap = torch.tensor(softcap, dtype=dtype, device=device) if softcap else None
+    diag = None if slopes is None else torch.tensor(sk - sq, dtype=torch.int32, device=device)
 
     def score(s, b, h, i, j):
-        if softcap:
-            s = softcap * torch.tanh(s / softcap)
+        if cap is not None:
+            s = cap * torch.tanh(s / cap)
         if slopes is not None:
             s = s - slopes[b, h] * (i + diag - j).abs()
         return s
@@ -180,7 +184,7 @@ def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0
         mask = None
     cdt = torch.float64 if q.dtype == torch.float64 else torch.float32  # the dtype flex computes scores in
     slopes = None if alibi_slopes is None else alibi_slopes.to(cdt).expand(b, hq)
-    mod = _score_mod(sq, sk, float(softcap), slopes) if softcap or slopes is not None else None
+    mod = _score_mod(sq, sk, float(softcap), slopes, q.device, cdt) if softcap or slopes is not None else None
     if sinks is not None and q.dtype in (torch.float16, torch.bfloat16):
         # the sink rescales O after flex: from a half-precision O that would round it twice
         q, k, v = (x.float() for x in (q, k, v))
