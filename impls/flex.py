@@ -12,11 +12,14 @@ so they are declared where there is no backward to trust that path to (CPU).
 
 Compiled means compiled for every call (``Compiled``): dynamo's defaults would run eager flex,
 silently, once one function has been recompiled 8 times, and a suite that draws hundreds of
-shapes and feature combinations passes that in minutes. So the masks' offsets and the softcap
-are tensors (a Python int in a mask_mod is a guard: one graph per value), the recompile
-limits are raised, and a call that ran no compiled graph raises ``RanEager`` instead of returning.
-Eager FlexAttention on CPU is deliberate: inductor compiles it there too, but its first compile
-takes about a minute on a 2-core machine.
+shapes and feature combinations passes that in minutes. So every number the mask_mod and
+score_mod capture is a tensor (a Python int is a guard: one graph per value; a Python float
+under dynamic shapes, a symbolic input inductor cannot lower), shapes are static (a graph per
+shape: the gpu lane draws about a dozen), the recompile limits are raised, and a call that ran
+no compiled graph raises ``RanEager`` instead of returning.
+Eager FlexAttention on CPU is deliberate: inductor's CPU FlexAttention (torch 2.13) returns no LSE
+and has no backward ("torch.compile on CPU only supports inference and `return_lse` is not
+supported yet"), and its first compile takes about a minute on a 2-core machine.
 """
 from __future__ import annotations
 
@@ -134,12 +137,14 @@ def _mask_mod(sq, sk, align, window, device):
 
 
 def _score_mod(sq, sk, softcap, slopes, device, dtype):
-    # softcap and the ALiBi distance's offset are tensors, for the reason in _mask_mod
-    diag = torch.tensor(sk - sq, dtype=torch.int32, device=device)
-    cap = torch.tensor(softcap, dtype=dtype, device=device)
+    # The softcap is a tensor too: under dynamic shapes a captured Python float becomes a symbolic
+    # input that inductor's FlexAttention lowering rejects (torch 2.13: "LoweringException:
+    # unbacked_bindings"); the ALiBi distance's offset is one for the reason in _mask_mod.
+    cap = torch.tensor(softcap, dtype=dtype, device=device) if softcap else None
+    diag = None if slopes is None else torch.tensor(sk - sq, dtype=torch.int32, device=device)
 
     def score(s, b, h, i, j):
-        if softcap:
+        if cap is not None:
             s = cap * torch.tanh(s / cap)
         if slopes is not None:
             s = s - slopes[b, h] * (i + diag - j).abs()

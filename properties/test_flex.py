@@ -82,3 +82,22 @@ def test_the_limits_are_raised_and_a_hit_is_an_error_only_inside_a_compiled_call
         assert (cfg.recompile_limit, cfg.accumulated_recompile_limit, cfg.fail_on_recompile_limit_hit) == (
             flex.RECOMPILE_LIMIT, flex.RECOMPILE_LIMIT, True), "expected the raised limits and a hard failure"
     assert (cfg.recompile_limit, cfg.fail_on_recompile_limit_hit) == before, "the user's dynamo settings changed"
+
+
+@pytest.mark.slow  # inductor's first compile of FlexAttention takes 20-60 s on a 2-core CPU
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")  # the eager reference
+def test_inductor_compiles_every_mask_and_score_the_built_in_captures():
+    """What compiles on CPU (inference, no LSE) of what CUDA compiles: every number the mods capture
+    must lower (a captured Python float did not: "unbacked_bindings"), at several lengths."""
+    guard = flex.Compiled(flex.flex_attention)
+    slopes = torch.tensor([[0.5, 0.25]])
+    for sq, sk, window, cap, alibi in [(5, 9, (4, -1), 5.0, slopes), (17, 33, (4, -1), 30.0, slopes),
+                                       (40, 12, (-1, 2), 0.0, None)]:
+        q, k, v = torch.randn(1, 2, sq, 16), torch.randn(1, 2, sk, 16), torch.randn(1, 2, sk, 16)
+        mask = flex.create_block_mask(flex._mask_mod(sq, sk, "bottom_right", window, "cpu"), None, None, sq, sk,
+                                      device="cpu")
+        mod = flex._score_mod(sq, sk, cap, alibi, "cpu", torch.float32) if cap or alibi is not None else None
+        with torch.no_grad():
+            got = guard(q, k, v, block_mask=mask, score_mod=mod, scale=0.5)
+            want = flex.flex_attention(q, k, v, block_mask=mask, score_mod=mod, scale=0.5)
+        assert torch.allclose(got, want, atol=1e-5), f"compiled and eager flex differ at Sq={sq}, Sk={sk}"
