@@ -4,7 +4,7 @@
 |---|---|---|---|---|
 | jax-xla | jax.nn.dot_product_attention(implementation="xla") | cpu, cuda | float32, bfloat16 (+ float16 on cuda) | Dv == D |
 | jax-cudnn | jax.nn.dot_product_attention(implementation="cudnn") | cuda | float16, bfloat16 | Dv == D, a multiple of 8, <= 128 (256 from sm90) |
-| jax-pallas | jax.experimental.pallas.ops.gpu.attention.mha (Triton) | cuda | float16, bfloat16, float32 | Dv == D, Hq == Hkv, lengths <= 128 or multiples of 128 |
+| jax-pallas | jax.experimental.pallas.ops.gpu.attention.mha (Triton) | cuda | float16, bfloat16, float32 | Dv == D, Hq == Hkv, lengths <= 128 or multiples of 128, Sq // 32 == Sk // 32 |
 
 What the sources say (jax 0.10-0.11), and the declarations that follow:
 - Layout: JAX takes (B, S, H, D); flashcheck's (B, H, S, D) is transposed inside the jitted call.
@@ -22,8 +22,8 @@ What the sources say (jax 0.10-0.11), and the declarations that follow:
 - float16 on XLA:CPU: jax asks for the F16_F16_F32 dot algorithm, which XLA:CPU rejects under jit
   ("The precision 'F16_F16_F32' is not supported by dot_general on CPU"), for every shape; jax's
   own fall-back only catches it outside jit. Not declared on the CPU.
-- Precision: see PRECISION below; none of today's declarable precisions is exact for these
-  kernels (the lead's catalogue of rounding sites will name them).
+- Precision: see XLA_PRECISION below; no declarable precision is exact for the XLA path yet (the
+  rounding sites it needs, "P normalized, then rounded" and "dP rounded to t", are issue 15's).
 
 Backward: jax.vjp of the same jitted function, wired into torch.autograd (``_JaxAttention``).
 Without jax the module fails to import and the three names are unavailable with that reason
@@ -51,7 +51,6 @@ try:
 except ImportError as exc:
     raise ImportError(f"flashcheck.impls.jax_attn needs jax (pip install 'jax[cpu]', or jax[cuda12]): {exc}") from exc
 
-NAMES = ("jax-xla", "jax-cudnn", "jax-pallas")
 UNAVAILABLE: dict[str, str] = {}
 
 
