@@ -22,8 +22,8 @@ What the sources say (jax 0.10-0.11), and the declarations that follow:
 - float16 on XLA:CPU: jax asks for the F16_F16_F32 dot algorithm, which XLA:CPU rejects under jit
   ("The precision 'F16_F16_F32' is not supported by dot_general on CPU"), for every shape; jax's
   own fall-back only catches it outside jit. Not declared on the CPU.
-- Precision: see XLA_PRECISION below; no declarable precision is exact for the XLA path yet (the
-  rounding sites it needs, "P normalized, then rounded" and "dP rounded to t", are issue 15's).
+- Precision: the XLA path declares the "dense" rounding site (XLA_PRECISION below), plus "tf32"
+  on the GPU; Pallas "tf32" (its float32 dots); cuDNN "fused".
 
 Backward: jax.vjp of the same jitted function, wired into torch.autograd (``_JaxAttention``).
 Without jax the module fails to import and the three names are unavailable with that reason
@@ -193,15 +193,12 @@ def _pallas(q, k, v, *, causal, scale, lse):
 # What the XLA path rounds (its source, and a float64 emulation that matches it bit for bit):
 # S and the softmax in float32; P normalized, then rounded to the input type for P.V; its autodiff
 # rounds dP = dO.V^T to the input type, and takes the softmax's delta as rowsum(dP * P); dS is
-# rounded (after the scale) for dQ and dK. The "fused" model rounds P unnormalized and never rounds
-# dP: on the CPU a bf16 dQ entry came out at 1.11x the fused bound (AttentionCase(batch=2, hq=2,
-# hkv=2, sq=40, sk=40, d=32, dv=32, causal='top_left', scale=2.0, dtype='bfloat16',
-# regime='negative', seed=23)), exactly where the emulation with dP in bf16 lands (0.28x with dP in
-# float32). Until the oracle can declare "dP rounded to t", the CPU declares "naive" (plain dense
-# attention in the input type, which bounds this). On an sm80+ GPU its float32 dots run on TF32
-# (jax's default matmul precision), which "naive" does not admit, so it declares "tf32" there and
-# the bf16/fp16 dP rounding can still be reported at ~1.2x (seen on an H200).
-XLA_PRECISION = "tf32" if _CUDA else "naive"
+# rounded (after the scale) for dQ and dK. That is the "dense" rounding site: under plain "fused"
+# a bf16 dQ entry came out at 1.11x the bound on the CPU (AttentionCase(batch=2, hq=2, hkv=2,
+# sq=40, sk=40, d=32, dv=32, causal='top_left', scale=2.0, dtype='bfloat16', regime='negative',
+# seed=23)), exactly where the emulation with dP in bf16 lands (0.28x with dP in float32). On an
+# sm80+ GPU its float32 dots also run on TF32 (jax's default matmul precision).
+XLA_PRECISION = "tf32+dense" if _CUDA else "dense"
 
 
 def _degenerate(c) -> bool:
