@@ -4,7 +4,7 @@
 |---|---|---|---|---|
 | jax-xla | jax.nn.dot_product_attention(implementation="xla") | cpu, cuda | float32, bfloat16 (+ float16 on cuda) | Dv == D |
 | jax-cudnn | jax.nn.dot_product_attention(implementation="cudnn") | cuda | float16, bfloat16 | Dv == D, a multiple of 8, <= 128 (256 from sm90) |
-| jax-pallas | jax.experimental.pallas.ops.gpu.attention.mha (Triton) | cuda | float16, bfloat16, float32 | Dv == D, Hq == Hkv, lengths <= 128 or multiples of 128 |
+| jax-pallas | jax.experimental.pallas.ops.gpu.attention.mha (Triton) | cuda | float16, bfloat16, float32 | Dv == D, Hq == Hkv, lengths <= 128 or multiples of 128, Sq // 32 == Sk // 32 |
 
 What the sources say (jax 0.10-0.11), and the declarations that follow:
 - Layout: JAX takes (B, S, H, D); flashcheck's (B, H, S, D) is transposed inside the jitted call.
@@ -22,8 +22,8 @@ What the sources say (jax 0.10-0.11), and the declarations that follow:
 - float16 on XLA:CPU: jax asks for the F16_F16_F32 dot algorithm, which XLA:CPU rejects under jit
   ("The precision 'F16_F16_F32' is not supported by dot_general on CPU"), for every shape; jax's
   own fall-back only catches it outside jit. Not declared on the CPU.
-- Precision: see PRECISION below; none of today's declarable precisions is exact for these
-  kernels (the lead's catalogue of rounding sites will name them).
+- Precision: the XLA path declares the "dense" rounding site (XLA_PRECISION below), plus "tf32"
+  on the GPU; Pallas "tf32" (its float32 dots); cuDNN "fused".
 
 Backward: jax.vjp of the same jitted function, wired into torch.autograd (``_JaxAttention``).
 Without jax the module fails to import and the three names are unavailable with that reason
@@ -51,7 +51,6 @@ try:
 except ImportError as exc:
     raise ImportError(f"flashcheck.impls.jax_attn needs jax (pip install 'jax[cpu]', or jax[cuda12]): {exc}") from exc
 
-NAMES = ("jax-xla", "jax-cudnn", "jax-pallas")
 UNAVAILABLE: dict[str, str] = {}
 
 
@@ -194,17 +193,12 @@ def _pallas(q, k, v, *, causal, scale, lse):
 # What the XLA path rounds (its source, and a float64 emulation that matches it bit for bit):
 # S and the softmax in float32; P normalized, then rounded to the input type for P.V; its autodiff
 # rounds dP = dO.V^T to the input type, and takes the softmax's delta as rowsum(dP * P); dS is
-# rounded (after the scale) for dQ and dK. The "fused" model rounds P unnormalized and never rounds
-# dP: on the CPU a bf16 dQ entry came out at 1.11x the fused bound (AttentionCase(batch=2, hq=2,
-# hkv=2, sq=40, sk=40, d=32, dv=32, causal='top_left', scale=2.0, dtype='bfloat16',
-# regime='negative', seed=23)), exactly where the emulation with dP in bf16 lands (0.28x with dP in
-# float32). Until the oracle can declare "dP rounded to t", the CPU declares "naive" (plain dense
-# attention in the input type, which bounds this). On an sm80+ GPU its float32 dots run on TF32
-# (jax's default matmul precision), which "naive" does not admit, so it declares "tf32" there and
-# the bf16/fp16 dP rounding can still be reported at ~1.2x (seen on an H200).
-# The oracle now declares those sites: "dense" (P normalized before it is rounded, dP rounded to t),
-# and "tf32" for the float32 dots on a GPU.
-XLA_PRECISION = "tf32+dense" if _CUDA else "naive"
+# rounded (after the scale) for dQ and dK. That is the "dense" rounding site: under plain "fused"
+# a bf16 dQ entry came out at 1.11x the bound on the CPU (AttentionCase(batch=2, hq=2, hkv=2,
+# sq=40, sk=40, d=32, dv=32, causal='top_left', scale=2.0, dtype='bfloat16', regime='negative',
+# seed=23)), exactly where the emulation with dP in bf16 lands (0.28x with dP in float32). On an
+# sm80+ GPU its float32 dots also run on TF32 (jax's default matmul precision).
+XLA_PRECISION = "tf32+dense" if _CUDA else "dense"
 
 
 def _degenerate(c) -> bool:
@@ -297,9 +291,10 @@ if _CUDA:
         applies=lambda c: c.causal is not None and c.sq > c.sk,
         witness=dict(sq=32, sk=16, d=16, dv=16, causal="top_left", dtype="float16"),
         failure=r"off by more than allowed|nan")
+    # Guessed from Triton's smallest dot tile (16); the H200 run of the findings script measures it.
     PALLAS_SMALL = KnownIssue(
-        "Pallas mha: wrong results at small head dims (D < 16) or lengths not a multiple of 16",
-        applies=lambda c: c.d < 16 or c.sq % 16 or c.sk % 16,
+        "Pallas mha: wrong results at small head dims or lengths (below 16)",
+        applies=lambda c: c.d < 16 or min(c.sq, c.sk) < 16,
         witness=dict(sq=16, sk=16, d=8, dv=8, dtype="float16"),
         failure=r"off by more than allowed|nan")
     pallas_attention = _register(
