@@ -26,7 +26,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-IMPLS = {"triton-fused": "triton-fused", "triton-autotuned": str(ROOT / "examples" / "triton_autotuned.py") + ":attention"}
+IMPLS = {"triton-fused": "triton-fused",
+         "triton-autotuned": str(ROOT / "examples" / "triton_autotuned.py") + ":attention"}
 HALVES = (("properties/test_forward.py", "properties/test_backward.py"),
           ("properties/test_invariance.py", "properties/test_features.py"))
 
@@ -36,7 +37,8 @@ def launch(impl, spec, buckets, half, files, args, out: Path, caches: Path):
     env = dict(os.environ, FLASHCHECK_PROFILE=args.profile, FLASHCHECK_SHAPE_BUCKETS=str(buckets),
                FLASHCHECK_BUCKET_SEED=str(args.seed), FLASHCHECK_TIMING_LOG=str(out / f"{name}.jsonl"),
                FLASHCHECK_DB=str(caches / f"db-{name}"), TRITON_CACHE_DIR=str(caches / f"triton-{impl}-{buckets}"),
-               XLA_PYTHON_CLIENT_PREALLOCATE="false")  # eight processes on one GPU: JAX, if loaded, takes only what it uses
+               # eight processes on one GPU: JAX, where a built-in loads it, takes only what it uses
+               XLA_PYTHON_CLIENT_PREALLOCATE="false")
     env.pop("FLASHCHECK_IMPL", None)
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist", "-p", "no:randomly", "-q",
            "--impl", spec, f"--hypothesis-seed={args.seed}", *files]
