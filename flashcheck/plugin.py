@@ -10,8 +10,10 @@
   ``@pytest.mark.requires("lse")`` (etc.) is skipped, with the reason, where the capability
   is not declared (flashcheck.impls.capabilities). A property none of whose drawn cases fits
   the declarations is skipped with them; one input that gave two verdicts (Hypothesis's
-  FlakyFailure) is reported as nondeterminism; an ``@example`` pin refitted to the
-  declarations, or not run on them, is a PinNotAsWritten warning.
+  FlakyFailure) is reported as nondeterminism, or as an error that did not recur when the first
+  call raised or failed to compile (properties/helpers.py); an ``@example`` pin refitted to the
+  declarations, or not run on them, is a PinNotAsWritten warning (in a plug-in run, only for the
+  pins of the user's own tests: the suite's pins are refitted to every kernel by design).
 - Numeric properties run before the ``input_validation`` ones, so a kernel that validates
   nothing does not stop an ``-x`` run before its numbers were checked.
 - A failing kernel property prints a short report (flashcheck.report) and writes a reproducer.
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -93,7 +96,8 @@ def pytest_configure(config):
     specs = _specs(config)
     checkout = _checkout(Path(str(config.rootpath)).resolve())
     if not specs and checkout is None:
-        return  # a pytest run that is not about flashcheck
+        config.flashcheck_idle = True  # a pytest run that is not about flashcheck, unless it finds nothing
+        return
     for line in MARKERS:
         config.addinivalue_line("markers", line)
     # Hypothesis imports libcst to write a patch for a failing example; its deprecations are noise here
@@ -104,6 +108,8 @@ def pytest_configure(config):
                                 f"({here}); run pip install -e . in the checkout")
     _switch_triton_interpreter()
     profile = _load_profile(config)
+    if os.environ.get("FLASHCHECK_PROPERTY_SECONDS"):
+        _seconds(os.environ["FLASHCHECK_PROPERTY_SECONDS"])  # a bad value stops the run before it starts
     from flashcheck.impls import ContractError, builtins, load
     from flashcheck.impls.call import device_for
     from flashcheck.strategies import buckets, draw as fs_draw
@@ -229,6 +235,17 @@ def pytest_generate_tests(metafunc):
     metafunc.parametrize("impl", [pytest.param(i, id=i.name, marks=_marks(i, needs)) for i in state.impls])
 
 
+def pytest_ignore_collect(collection_path, config):
+    """A plug-in run does not even import the suite's self-test modules (none of their tests takes
+    ``impl``): their imports and module-level skips (no triton here) would be noise in its report."""
+    state = _state(config)
+    path = Path(str(collection_path)).resolve()
+    if state is None or not state.kernel_mode or path.suffix != ".py" or not path.name.startswith("test_") \
+            or path.parent != _properties_dir():
+        return None
+    return None if re.search(r"^def test_\w+\(\s*impl\b", path.read_text(), re.M) else True
+
+
 def _in_suite(item, state) -> bool:
     path = str(Path(str(item.path)).resolve())
     return any(path.startswith(str(d)) for d in state.suite_dirs)
@@ -259,6 +276,25 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip)
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtestloop(session):
+    """A plug-in run first tries one case of every property, and runs those that fail on it first
+    (flashcheck.firstpass); the run proper is pytest's own loop."""
+    state = _state(session.config)
+    distributed = hasattr(session.config, "workerinput") or session.config.getoption("dist", "no") != "no"
+    if state is None or not state.kernel_mode or distributed or session.testsfailed or \
+            session.config.option.collectonly:
+        return None
+    from flashcheck import firstpass
+
+    line = firstpass.run(session, _impl_of, pytest_runtest_setup, pytest_runtest_teardown)
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if line and reporter is not None:
+        reporter.write_line("")
+        reporter.write_line(line, yellow=True)
+    return None
+
+
 def pytest_runtest_setup(item):
     from flashcheck.database import PerImplementation, key_of
     from flashcheck.strategies import AttentionCase
@@ -269,13 +305,28 @@ def pytest_runtest_setup(item):
     fs_draw.PINS[0] = frozenset(v for pin in pins for v in pin.kwargs.values() if isinstance(v, AttentionCase))
     fs_draw.PIN_REPORTS.clear()
     impl = _impl_of(item)
+    fs_draw.DRAWING_FOR[0] = impl  # the strategies draw lengths around its declared tiles
+    seconds = os.environ.get("FLASHCHECK_PROPERTY_SECONDS")
+    fs_draw.BUDGET[0] = time.monotonic() + _seconds(seconds) if seconds and impl is not None else None
     PerImplementation.current = key_of(impl) if impl is not None and _state(item.config) else None
+
+
+def _seconds(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = 0.0
+    if not seconds > 0:
+        raise pytest.UsageError(f"FLASHCHECK_PROPERTY_SECONDS={text!r}: expected a number of seconds > 0")
+    return seconds
 
 
 def pytest_runtest_teardown(item):
     from flashcheck.database import PerImplementation
+    from flashcheck.strategies import draw as fs_draw
 
     PerImplementation.current = None
+    fs_draw.DRAWING_FOR[0] = fs_draw.BUDGET[0] = None
 
 
 @pytest.hookimpl(wrapper=True)
@@ -304,8 +355,16 @@ def pytest_pyfunc_call(pyfuncitem):
 
         raise AssertionError(ph.nondeterminism(impl, last[1], first=(exc.exceptions or [None])[0])) from exc
     finally:
-        if fs_draw.PIN_REPORTS:
+        if fs_draw.PIN_REPORTS and _pins_are_news(pyfuncitem):
             pyfuncitem.warn(fs_draw.PinNotAsWritten(f"{impl.name if impl else ''}: " + "; ".join(fs_draw.PIN_REPORTS)))
+
+
+def _pins_are_news(item) -> bool:
+    """A pin not run as written is news to whoever wrote it: the suite's own pins are refitted to
+    every kernel by design, so a plug-in run reports only the pins of the user's own tests."""
+    state = _state(item.config)
+    own = Path(str(item.path)).resolve().parent == _properties_dir()
+    return not (state is not None and state.kernel_mode and own)
 
 
 @pytest.hookimpl(wrapper=True)
@@ -352,7 +411,7 @@ def pytest_runtest_makereport(item, call):
         if failure.case is not None:  # a property about one case (not e.g. a malformed-input check)
             from flashcheck import repro
 
-            where = repro.write(failure.case, origin_of(impl), item.nodeid, failure.full_message)
+            where = repro.write(failure.case, origin_of(impl), item.nodeid, failure.full_message, who=impl.name)
             report.heatmap(failure, where / "error.png")
     except Exception as exc:  # a reproducer is a courtesy: never mask the real failure
         rep.sections.append(("flashcheck reproducer", f"could not be written: {type(exc).__name__}: {exc}"))
@@ -400,7 +459,12 @@ def pytest_sessionfinish(session, exitstatus):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
-def pytest_terminal_summary(terminalreporter, config):
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
     state = _state(config)
     if state is not None and state.verdict:
         terminalreporter.write_line(state.verdict, red=True, bold=True)
+    if getattr(config, "flashcheck_idle", False) and exitstatus == pytest.ExitCode.NO_TESTS_COLLECTED:
+        # outside a flashcheck checkout the kernel properties run only on a kernel named with --impl
+        terminalreporter.write_line("flashcheck: no --impl given, so no kernel property ran; test your kernel with "
+                                    "pytest --impl FILE.py:function -m properties (or flashcheck check "
+                                    "FILE.py:function)", yellow=True)

@@ -2,15 +2,15 @@
 
     my-attn: test_output_matches_dense_float64 failed (o)
       case = AttentionCase(sk=2, d=2, dv=2, seed=1)  # shrunk, fitted to my-attn
-      o[0, 0, 0, 1]: expected 0.148903, got -0.0861904 (error 2.35e-01, allowed 1.94e-15)
+      o[0, 0, 0, 1]: expected 0.148903, got -0.0861904 (error 0.235, relative error 1.58, allowed 1.94e-15)
       wrong o by query row (X wrong, . right): X
       wrong in batch 0 of 1, heads 0 of 1, 2 of 2 value dims
-      replay: flashcheck replay /home/me/kernel/reproducers/test_output_matches_dense_float64-attention-a2510ecd
+      replay: flashcheck replay /home/me/kernel/reproducers/test_output_matches_dense_float64-my-attn-a2510ecd
       full message: .../failure.txt
 
 The case comes first, as code, exactly as the property saw it; then the worst entry; then
 where the wrong entries are (query rows for O, LSE and dQ; keys for dK and dV; ``|`` marks
-the implementation's tiles when it declares blocks); then the command that replays it.
+the implementation's tiles when it declares blocks or tiles); then the command that replays it.
 The whole message and traceback go to failure.txt in the reproducer folder, with a
 heatmap of the error (error.png) where matplotlib is installed.
 """
@@ -19,6 +19,7 @@ from __future__ import annotations
 import re
 import traceback
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -31,10 +32,18 @@ MAP_WIDTH = 96  # characters of a row/key map before positions are grouped
 
 
 def case_code(case: AttentionCase, impl) -> str:
-    """The case as code (its repr leaves out fields at their defaults); block sizes only for
-    kernels that take them."""
+    """The case as code (its repr leaves out fields at their defaults). Block sizes are always
+    shown for a kernel that takes them or declares fixed tiles, even at their defaults (a tile
+    bug needs them), and never for one that has neither."""
+    if impl.blocks is not None or impl.tiles is not None:
+        return case.code(always=("block_q", "block_k"))
     plain = AttentionCase()
-    return repr(case if impl.blocks is not None else case.replace(block_q=plain.block_q, block_k=plain.block_k))
+    return repr(case.replace(block_q=plain.block_q, block_k=plain.block_k))
+
+
+def plain_numbers(text: str) -> str:
+    """``np.float64(0.25)`` as ``0.25``: messages built from NumPy scalars' reprs read as plain numbers."""
+    return re.sub(r"\bnp\.(?:float|int|uint|bool)\w*\(([^()]*)\)", r"\1", text)
 
 
 def _first_error(exc: BaseException) -> BaseException:
@@ -95,6 +104,7 @@ class Failure:
         if pin is not None:
             full += f"\nshrunk from the pinned example {pin.pin!r} to {pin.case!r}:\n"
             full += "".join(traceback.format_exception(pin.error))
+        full = plain_numbers(full)
         named = CASE_PATTERN.findall(str(error))
         last = fs_draw.LAST_FITTED[0]
         case = None
@@ -126,10 +136,12 @@ class Failure:
         if self.entries is not None:
             lines += _describe(self.entries, self.case, impl)
         else:
-            text = str(err).strip().splitlines()
+            text = plain_numbers(str(err)).strip().splitlines()
             head = text[0] if text else ""
             own = isinstance(err, AssertionError) or type(err).__module__.startswith(("_pytest", "pytest"))
-            what = head if own else f"{impl.name} raised {type(err).__name__}: {head}"
+            what = head if own else (f"flashcheck itself raised {type(err).__name__}: {head} (a bug in the suite, "
+                                     f"not a verdict on {impl.name})" if suite_raised(err)
+                                     else f"{impl.name} raised {type(err).__name__}: {head}")
             lines.append(f"  {what[:400]}")
             if own and len(text) > 1 and not text[1].strip().startswith("case:"):
                 lines.append(f"  {text[1].strip()[:200]}")
@@ -153,6 +165,36 @@ class Text:
 
     def __str__(self):
         return self.text
+
+
+SUITE_IN_IMPLS = ("__init__.py", "capabilities.py", "rounding.py")  # impls/ holds kernels, and these
+
+
+def suite_raised(exc: BaseException) -> bool:
+    """Whether the suite's own code raised ``exc`` rather than the kernel: the innermost frame of
+    its traceback outside installed packages and the standard library is the suite's, and not the
+    call of the kernel (impls/call.py, which a kernel installed as a package raises through)."""
+    import sysconfig
+
+    import flashcheck
+    from flashcheck import properties, strategies
+    from flashcheck.impls import call
+
+    impls = Path(call.__file__).resolve().parent
+    mine = [Path(m.__file__).resolve().parent for m in (flashcheck, properties, strategies)]
+    installed = [Path(sysconfig.get_paths()[k]).resolve() for k in ("stdlib", "purelib", "platlib")]
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        path = Path(frame.filename).resolve()
+        if path == Path(call.__file__).resolve():
+            return False  # raised in, or through, the call of the kernel
+        if path.is_relative_to(impls):  # an installed package puts impls/ inside flashcheck/
+            if path.name in SUITE_IN_IMPLS:
+                return True
+        elif any(path.is_relative_to(d) for d in mine):
+            return True
+        if not any(path.is_relative_to(d) for d in installed):
+            return False  # the kernel's own file (a plug-in, or a built-in in a checkout)
+    return False
 
 
 def _rerun(impl, case, message: str) -> Entries | None:
@@ -190,15 +232,19 @@ def _describe(e: Entries, case, impl) -> list[str]:
     ratio = np.where(e.wrong, np.where(np.isfinite(e.err), e.err / np.maximum(e.limit, 1e-300), np.inf), -1.0)
     idx = tuple(int(i) for i in np.unravel_index(np.argmax(ratio), ratio.shape))
     digits = 6 if _fmt(e.want[idx]) != _fmt(e.got[idx]) else 17  # a rounding-sized error needs every digit
+    # the error relative to the entry too: a case shrunk to a tiny scale has tiny errors that are
+    # nonetheless whole, not rounding
+    relative = (f", relative error {e.err[idx] / abs(e.want[idx]):.3g}"
+                if np.isfinite(e.err[idx]) and e.want[idx] != 0 and np.isfinite(e.want[idx]) else "")
     lines = [f"  {e.name}[{', '.join(map(str, idx))}]: expected {_fmt(e.want[idx], digits)}, "
              f"got {_fmt(e.got[idx], digits)} "
-             f"(error {e.err[idx]:.3g}, allowed {e.limit[idx]:.3g}); {int(e.wrong.sum())} of {e.wrong.size} "
-             "entries wrong"]
+             f"(error {e.err[idx]:.3g}{relative}, allowed {e.limit[idx]:.3g}); {int(e.wrong.sum())} of "
+             f"{e.wrong.size} entries wrong"]
     if e.wrong.ndim < 3:  # the sinks' gradient: one entry per query head
         return lines + [f"  wrong for query heads {_list(np.flatnonzero(e.wrong))} of {e.wrong.size}"]
     keys = e.name in ("dk", "dv")
     per_pos = e.wrong.any(axis=tuple(a for a in range(e.wrong.ndim) if a != 2))
-    block = (case.block_k if keys else case.block_q) if impl.blocks is not None else None
+    block = (case.block_k if keys else case.block_q) if impl.blocks is not None or impl.tiles else None
     what = "key" if keys else "query row"
     lines.append(f"  wrong {e.name} by {what} {_legend(len(per_pos), block)}: {_map(per_pos, block)}")
     heads = np.flatnonzero(e.wrong.any(axis=tuple(a for a in range(e.wrong.ndim) if a != 1)))

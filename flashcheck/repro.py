@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -40,13 +41,16 @@ def folder() -> Path:
     return Path(os.environ.get("FLASHCHECK_REPRO_DIR") or Path.cwd() / "reproducers").resolve()
 
 
-def write(case, origin: dict | str, test_id: str, message: str) -> Path:
+def write(case, origin: dict | str, test_id: str, message: str, who: str | None = None) -> Path:
     """Write a reproducer for ``case`` failing ``test_id`` on the implementation at ``origin``
-    (``flashcheck.impls.origin_of``: an absolute spec, its file and module name; or a built-in's name)."""
+    (``flashcheck.impls.origin_of``: an absolute spec, its file and module name; or a built-in's name).
+    The folder is named after the property and the implementation ``who`` (twenty kernels whose
+    functions are all called ``attention`` get twenty names)."""
     origin = {"spec": origin} if isinstance(origin, str) else dict(origin)
     name = test_id.split("::")[-1].split("[")[0]
     tag = hashlib.sha1(f"{test_id}{case!r}".encode()).hexdigest()[:8]
-    out = folder() / f"{name}-{origin['spec'].rsplit(':', 1)[-1]}-{tag}"
+    who = re.sub(r"[^\w.-]+", "_", who or origin["spec"].rsplit(":", 1)[-1])
+    out = folder() / f"{name}-{who}-{tag}"
     out.mkdir(parents=True, exist_ok=True)
     q, k, v, do = case.inputs()
     np.savez(out / "inputs.npz", q=q, k=k, v=v, do=do)
@@ -105,14 +109,15 @@ def main(argv=None) -> int:
     inputs = [saved[n] for n in ("q", "k", "v", "do")]
     if any(not np.array_equal(a, b) for a, b in zip(inputs, case.inputs())):
         print("warning: this NumPy draws different inputs for the case; replaying the saved ones")
-    from flashcheck.report import case_code
+    from flashcheck.report import case_code, plain_numbers
 
     print(f"case = {case_code(case, impl)}\nimplementation: {impl.name} ({args.impl or origin['spec']})")
     case = case if case.dtype in impl.dtypes else case.replace(dtype=impl.dtypes[0])
     try:
         res = call.run(impl, case, *inputs[:3], inputs[3] if impl.has_backward else None)
     except Exception as exc:  # the kernel itself failed on the case: that reproduces a failure too
-        print(f"  FAIL  {impl.name} raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+        head = plain_numbers(str(exc).splitlines()[0]) if str(exc) else ""
+        print(f"  FAIL  {impl.name} raised {type(exc).__name__}: {head}")
         print("reproduced: the implementation raises on this case")
         return 1
     failed = 0
@@ -127,7 +132,7 @@ def main(argv=None) -> int:
                   f"{float(orc.allowed(case, name)[0].max(initial=0)):.3e})")
         except AssertionError as exc:
             failed += 1
-            print(f"  {name:4} FAIL  {str(exc).splitlines()[0]}")
+            print(f"  {name:4} FAIL  {plain_numbers(str(exc).splitlines()[0])}")
     print("reproduced: the implementation disagrees with the oracle" if failed else "passes on this case")
     return 1 if failed else 0
 

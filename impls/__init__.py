@@ -55,6 +55,9 @@ class Implementation:
     lse: bool = False
     framework: str = "torch"
     blocks: tuple[int, ...] | str | None = None  # None, "any" (every int >= 1) or allowed sizes
+    # fixed (block_q, block_k) tiles the kernel does not take as arguments: lengths are drawn
+    # around their multiples, where partial-tile bugs live
+    tiles: tuple[int, int] | None = None
     head_dims: tuple[int, int] | frozenset[int] = (1, 256)  # inclusive range (lo, hi), or the allowed sizes
     equal_head_dims: bool = False  # only Dv == D
     seq_multiple: int = 1  # Sq and Sk must be multiples of this
@@ -64,7 +67,7 @@ class Implementation:
     tags: tuple[str, ...] = field(default=())  # extra pytest markers, e.g. "interpreter"
     known_issues: tuple[KnownIssue, ...] = ()
     precision: str = "fused"  # the rounding model the oracle holds it to (impls/rounding.py)
-    # The feature matrix (README, "Features"): each declared feature adds its keyword
+    # The feature matrix (docs/features.md): each declared feature adds its keyword
     # arguments to every call (window=, softcap=, alibi_slopes=, sinks=, dropout_p= and
     # dropout_seed=); undeclared ones are never drawn for this implementation.
     window: bool = False
@@ -73,7 +76,7 @@ class Implementation:
     sinks: bool = False
     dropout: bool = False
     dropout_mask: Callable | None = None  # (q, k, v, p, seed) -> bool (B, Hq, Sq, Sk), True = kept
-    # What real kernels needed to say about themselves (README, "Testing your own kernel"):
+    # What real kernels needed to say about themselves (README, "The plug-in contract"):
     causal_only: bool = False  # no non-causal mode: every case is drawn causal
     min_seq: int = 1  # Sq and Sk are at least this
     supports: Callable | None = None  # case -> True, or False / a reason string when it cannot run it
@@ -144,14 +147,14 @@ def _head_dims(value, name: str):
 
 
 def implementation(*, name: str, causal="bottom_right", dtypes=("float32",), devices=("cpu",),
-                   backward=False, gqa=True, lse=False, framework="torch", blocks=None,
+                   backward=False, gqa=True, lse=False, framework="torch", blocks=None, tiles=None,
                    head_dims=(1, 256), equal_head_dims=False, seq_multiple=1, max_seq=None, equal_lengths=False,
                    masked_rows=True, tags=(), known_issues=(), precision="fused",
                    causal_only=False, min_seq=1, supports=None, scale_arg=True, deterministic=False,
                    # the feature matrix (issue 10): see Implementation
                    window=False, softcap=False, alibi=False, sinks=False, dropout=False, dropout_mask=None,
                    register=True):
-    """Declare an attention function to the suite. See README, "Testing your own kernel"."""
+    """Declare an attention function to the suite. See README, "The plug-in contract"."""
     if not isinstance(name, str) or not name:
         raise ContractError(f"implementation name must be a non-empty string, got {name!r}")
     if causal is None or causal is False:
@@ -171,6 +174,14 @@ def implementation(*, name: str, causal="bottom_right", dtypes=("float32",), dev
     if not (sizes_ok or blocks in (None, "any")):
         raise ContractError(f"implementation {name!r}: blocks must be None, 'any' or a tuple of ints >= 1, "
                             f"got {blocks!r}")
+    if tiles is not None:
+        if not (isinstance(tiles, tuple) and len(tiles) == 2
+                and all(isinstance(t, int) and not isinstance(t, bool) and t >= 1 for t in tiles)):
+            raise ContractError(f"implementation {name!r}: tiles must be (block_q, block_k), two ints >= 1, "
+                                f"got {tiles!r}")
+        if blocks is not None:
+            raise ContractError(f"implementation {name!r}: declare blocks= (the kernel takes block_q=/block_k=) "
+                                f"or tiles= (fixed tiles it does not take), not both")
     head_dims = _head_dims(head_dims, name)
     if not isinstance(seq_multiple, int) or seq_multiple < 1:
         raise ContractError(f"implementation {name!r}: seq_multiple must be an int >= 1, got {seq_multiple!r}")
@@ -208,13 +219,16 @@ def implementation(*, name: str, causal="bottom_right", dtypes=("float32",), dev
             raise ContractError(f"implementation {name!r}: decorated object is not callable")
         record = Implementation(name=name, fn=fn, causal=alignments, dtypes=dtypes, devices=devices,
                                 backward=backward, gqa=gqa, lse=lse, framework=framework, blocks=blocks,
-                                head_dims=head_dims, equal_head_dims=equal_head_dims,
+                                tiles=tiles, head_dims=head_dims, equal_head_dims=equal_head_dims,
                                 seq_multiple=seq_multiple, max_seq=max_seq,
                                 equal_lengths=equal_lengths, masked_rows=masked_rows, tags=tuple(tags),
                                 known_issues=tuple(known_issues), precision=precision,
                                 causal_only=bool(causal_only), min_seq=min_seq, supports=supports,
                                 scale_arg=bool(scale_arg), deterministic=bool(deterministic),
                                 dropout_mask=dropout_mask, **features)
+        from flashcheck.impls.capabilities import check_witnesses
+
+        check_witnesses(record)  # needs the whole record: supports() and applies() judge the witness
         fn.__flashcheck__ = record
         if register:
             REGISTRY[name] = record
@@ -241,10 +255,14 @@ def load(spec: str) -> Implementation:
                             f" (decorated with @implementation in it: {', '.join(found) or 'none found'})")
     if not sep or not target or not attr:
         raise ContractError(f"--impl {spec!r}: expected FILE.py:function, module:function or a built-in name")
+    # as `python -m pytest` and `python my_attn.py` would have it, whichever command started the run:
+    # a module name resolves from the current directory, and a plug-in imports the files beside it
+    _on_path(Path.cwd())
     if target.endswith(".py") or "/" in target:
         path = Path(target).resolve()
         if not path.is_file():
             raise ContractError(f"--impl {spec!r}: no such file {path}")
+        _on_path(path.parent)
         mod_name = f"flashcheck_plugin_{path.stem}_{abs(hash(str(path)))}"
         module_spec = importlib.util.spec_from_file_location(mod_name, path)
         module = importlib.util.module_from_spec(module_spec)
@@ -268,6 +286,12 @@ def load(spec: str) -> Implementation:
     SPECS[record.name] = spec
     ORIGINS[record.name] = _origin(module, attr)
     return record
+
+
+def _on_path(folder: Path) -> None:
+    entry = str(folder.resolve())
+    if entry not in (str(Path(p or ".").resolve()) for p in sys.path):
+        sys.path.insert(0, entry)
 
 
 def _origin(module, attr: str) -> dict:

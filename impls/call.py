@@ -117,8 +117,31 @@ def _call(impl, case, *args, **kw):
         spent[1] += time.perf_counter() - start
 
 
-def run(impl: Implementation, case, q, k, v, do=None, *, device=None) -> Result:
-    """Run forward (and backward through dO when given) on float64 arrays holding case.dtype values."""
+# How a torch kernel may be called, in the words a failure uses: a kernel can take another
+# branch on each (e.g. write into q in place when q needs no gradient).
+PATHS = {
+    "plain": "on inputs that need no gradient",
+    "autograd": "on inputs that need gradients, then backward",
+    "no_grad": "under torch.no_grad()",
+    "inference_mode": "under torch.inference_mode()",
+}
+
+
+def _grad_mode(path: str):
+    import contextlib
+
+    import torch
+
+    return {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}.get(path, contextlib.nullcontext)()
+
+
+def run(impl: Implementation, case, q, k, v, do=None, *, device=None, path=None) -> Result:
+    """Run forward (and backward through dO when given) on float64 arrays holding case.dtype values.
+
+    ``path`` (a key of PATHS) picks how a torch kernel is called; by default the inputs need
+    gradients exactly when dO is given."""
+    if path not in (None, *PATHS) or (path not in (None, "autograd") and do is not None):
+        raise ValueError(f"path {path!r}: expected one of {tuple(PATHS)}, and dO only on the autograd path")
     device = device or device_for(impl)
     if impl.framework == "numpy":
         kw = kwargs_for(impl, case)
@@ -142,13 +165,15 @@ def run(impl: Implementation, case, q, k, v, do=None, *, device=None) -> Result:
     dt = getattr(torch, case.dtype)
     # torch.tensor copies: a tensor sharing the caller's buffer (from_numpy of float64 on CPU)
     # would hide an in-place write from the comparison with the inputs afterwards.
-    qt, kt, vt = (torch.tensor(x).to(device=device, dtype=dt).requires_grad_(do is not None)
-                  for x in (q, k, v))
+    grad = do is not None or path == "autograd"
+    qt, kt, vt = (torch.tensor(x).to(device=device, dtype=dt).requires_grad_(grad) for x in (q, k, v))
     kw = kwargs_for(impl, case, tensor=lambda a: torch.from_numpy(a).to(device))
     sinks = kw.get("sinks")
     if sinks is not None:
-        sinks.requires_grad_(do is not None)
-    o, lse = _split(impl, _call(impl, case, qt, kt, vt, **kw), impl.name)
+        sinks.requires_grad_(grad)
+    with _grad_mode(path):
+        out = _call(impl, case, qt, kt, vt, **kw)
+    o, lse = _split(impl, out, impl.name)
     _check_returned(impl, q, v, o, lse)
     res = Result(_np(o), None if lse is None else _np(lse), dtype=str(o.dtype).removeprefix("torch."),
                  lse_dtype="" if lse is None else str(lse.dtype).removeprefix("torch."))

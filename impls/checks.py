@@ -57,7 +57,7 @@ def offset(sq: int, sk: int, align: str | None) -> int:
 
 
 def check_features(q, *, who: str, window=None, softcap=0.0, alibi_slopes=None, sinks=None, dropout_p=0.0):
-    """Validate the feature arguments (README, "Features") against q (B, Hq, Sq, D); a numpy array or a
+    """Validate the feature arguments (docs/features.md) against q (B, Hq, Sq, D); a numpy array or a
     torch tensor alike. Returns the window as a tuple, or None when it is off."""
     b, hq = q.shape[0], q.shape[1]
     if window is not None:

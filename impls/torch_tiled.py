@@ -50,7 +50,7 @@ def _ungrouped(x: torch.Tensor, b: int, hkv: int) -> torch.Tensor:
 
 class _Features:
     """Everything besides q, k, v that shapes one tile's scores: the causal mask, the window, the
-    softcap, the ALiBi bias, the sinks and the dropout mask (README, "Features")."""
+    softcap, the ALiBi bias, the sinks and the dropout mask (docs/features.md)."""
 
     def __init__(self, *, sq, sk, g, align, scale, window, softcap, slopes, sinks, dropout_p, seed):
         self.sq, self.sk, self.g, self.align, self.scale = sq, sk, g, align, scale
@@ -282,7 +282,7 @@ def attention(q, k, v, *, causal=False, scale=None, block_q=256, block_k=256, wi
     causal: False, True (= "bottom_right"), "bottom_right" or "top_left" (docs/design.md).
     scale: None means 1/sqrt(D); any float, 0.0 included, is used as given.
     block_q, block_k: tile sizes; any int >= 1 (large tiles are faster, memory is O(block_q * block_k)).
-    window, softcap, alibi_slopes, sinks, dropout_p, dropout_seed: README, "Features".
+    window, softcap, alibi_slopes, sinks, dropout_p, dropout_seed: docs/features.md.
     """
     _check_devices(q, k, v)
     check_inputs(q, k, v, dtypes=DTYPES, who=WHO)

@@ -5,7 +5,7 @@ same path a user's plug-in takes. The table printed at the end is README's mutan
 """
 import pytest
 
-from mutants import features, harness, precision, tiled
+from mutants import features, fixed_tiles, harness, precision, tiled
 
 try:
     from mutants import triton as triton_mutants
@@ -16,6 +16,7 @@ pytestmark = pytest.mark.mutants
 
 MUTANTS = [(f"mutants/tiled.py:{bug}", what) for bug, what in tiled.BUGS.items()]
 MUTANTS += [(f"mutants/features.py:{bug}", what) for bug, what in features.BUGS.items()]
+MUTANTS += [(f"mutants/fixed_tiles.py:{bug}", what) for bug, what in fixed_tiles.BUGS.items()]
 if triton_mutants is not None:
     MUTANTS += [(f"mutants/triton.py:{bug}", what) for bug, what in triton_mutants.BUGS.items()]
     MUTANTS += [(f"mutants/triton.py:{bug}", what) for bug, what in triton_mutants.FEATURE_BUGS.items()]
@@ -24,7 +25,7 @@ PRECISION = [(f"mutants/precision.py:{bug}", what) for bug, what in precision.BU
 MUTANTS += PRECISION
 # The mutants' own correct build is the false-alarm check CI runs; the built-ins pass the
 # main suite already, so repeating them here through the harness is opt-in (slow).
-CORRECT = ["mutants/tiled.py:correct", "mutants/features.py:correct",
+CORRECT = ["mutants/tiled.py:correct", "mutants/features.py:correct", "mutants/fixed_tiles.py:correct",
            pytest.param("mutants/precision.py:correct", id="precision-correct"),
            pytest.param("flashcheck.impls.numpy_ref:tiled_forward", marks=pytest.mark.slow),
            pytest.param("flashcheck.impls.triton_fused:attention", marks=pytest.mark.slow)]

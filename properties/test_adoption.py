@@ -85,6 +85,14 @@ def test_nothing_to_test_on_this_machine_stops_the_run_with_one_line(tmp_path, a
     assert run.returncode not in (0, 1) and words in out and len(out.splitlines()) <= 2, out[-2000:]
 
 
+def test_no_impl_outside_a_checkout_says_so_with_the_command_to_run(tmp_path):
+    run = _pytest(tmp_path, "-m", "properties")
+    assert run.returncode == 5, run.stdout[-2000:]
+    line = [line for line in run.stdout.splitlines() if line.startswith("flashcheck:")]
+    assert line == ["flashcheck: no --impl given, so no kernel property ran; test your kernel with pytest --impl "
+                    "FILE.py:function -m properties (or flashcheck check FILE.py:function)"], run.stdout[-2000:]
+
+
 def test_a_run_whose_every_kernel_property_was_skipped_fails_unless_allowed(tmp_path):
     _kernel(tmp_path)  # declares no LSE: every LSE property skips
     args = ("--impl", "my_attn.py:attention", "-k", "lse", "-q")
@@ -113,10 +121,65 @@ def test_a_failure_reads_in_ten_lines_and_replays_from_another_directory(tmp_pat
     assert "wrong o by query row (X wrong, . right): X." in run.stdout, "\n".join(block)
     replay = [line.split("replay: ")[1] for line in block if "replay: " in line][0]
     assert replay.startswith("flashcheck replay /"), replay
+    assert "/test_output_matches_dense_float64-dense-off-by-one-" in replay, f"named after the kernel: {replay}"
     folder = replay.split("flashcheck replay ")[1]
     again = subprocess.run([sys.executable, "-m", "flashcheck", "replay", folder], cwd=elsewhere,
                            capture_output=True, text=True, timeout=120)
     assert again.returncode == 1 and "reproduced" in again.stdout, again.stdout + again.stderr
+
+
+FLIPPING = '''
+import math
+import torch
+from flashcheck import implementation
+
+CALLS = [0]
+
+@implementation(name="flipping", causal=None, dtypes=("float64",), deterministic=True)
+def attention(q, k, v, *, causal=False, scale=None):
+    CALLS[0] += 1
+    if CALLS[0] % 2:  # every other call sums the keys in reverse: right within rounding, not bit for bit
+        k, v = k.flip(2), v.flip(2)
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    g = q.shape[1] // k.shape[1]
+    p = torch.softmax(scale * q @ k.repeat_interleave(g, 1).transpose(-1, -2), -1)
+    return p @ v.repeat_interleave(g, 1)
+'''
+
+
+USER_PIN_TEST = textwrap.dedent('''
+    from hypothesis import example, given
+    from flashcheck import strategies as fs
+    from flashcheck.strategies import AttentionCase as Case
+
+    @given(case=fs.cases())
+    @example(case=Case(sq=3, sk=3, causal="top_left"))
+    def test_my_own_pin(impl, case):
+        fs.fit(impl, case)
+''')
+
+
+def test_a_users_pin_not_run_as_written_warns_and_the_suites_own_pins_never_do(tmp_path):
+    _kernel(tmp_path)  # bottom-right only: the suite's top-left pins are refitted, and so is the user's
+    (tmp_path / "test_mine.py").write_text(USER_PIN_TEST)
+    run = _pytest(tmp_path, "--impl", "my_attn.py:attention", "test_mine.py", "-q", "-k",
+                  "test_my_own_pin or test_output_matches_dense_float64", env={"CI": "true"})
+    assert run.returncode == 0, run.stdout[-3000:]
+    warned = [line for line in run.stdout.splitlines() if "PinNotAsWritten" in line]
+    assert len(warned) == 1 and "@example Case(sq=3, sk=3, causal='top_left') refitted: causal 'top_left' -> " \
+        "'bottom_right'" in warned[0], f"expected one warning, for the user's pin alone: {warned}"
+
+
+def test_a_property_failing_on_its_first_case_runs_before_the_others(tmp_path):
+    (tmp_path / "flipping.py").write_text(FLIPPING)
+    run = _pytest(tmp_path, "--impl", "flipping.py:attention", "-x", "-q", "-k",
+                  "test_output_matches_dense_float64 or test_repeated_calls", env={"CI": "true"})
+    assert run.returncode == 1, run.stdout[-3000:]
+    assert ("flashcheck: 1 property failed on a first case" in run.stdout
+            and "run first: test_repeated_calls_on_one_input_are_bitwise_identical[flipping]" in run.stdout), (
+        run.stdout[-3000:])
+    assert re.search(r"^1 failed, \d+ deselected", run.stdout, re.M), (
+        f"expected the failing property alone to run under -x, before the passing one:\n{run.stdout[-1500:]}")
 
 
 def _torch_kernel(fn, **declared):
@@ -202,12 +265,12 @@ def test_the_examples_are_self_contained(tmp_path):
     assert run.returncode == 0, run.stderr[-1500:]
 
 
-def _failure_with_rows_wrong(rows, blocks):
+def _failure_with_rows_wrong(rows, blocks, tiles=None, block=4):
     from flashcheck import oracle as orc
     from flashcheck.report import Failure, check_entries
 
-    impl = _torch_kernel(lambda q, k, v, **_: q, blocks=blocks)
-    case = Case(sq=8, sk=8, d=2, dv=3, block_q=4, block_k=4)
+    impl = _torch_kernel(lambda q, k, v, **_: q, blocks=blocks, tiles=tiles)
+    case = Case(sq=8, sk=8, d=2, dv=3, block_q=block, block_k=block)
     got = orc.truth(case).o.copy()
     got[:, :, rows, 1] += 1.0
     entries = check_entries(case, "o", got)
@@ -217,12 +280,27 @@ def _failure_with_rows_wrong(rows, blocks):
 def test_the_error_map_marks_wrong_rows_and_the_kernels_tiles():
     text = _failure_with_rows_wrong([4, 5, 6, 7], blocks="any").render(None).splitlines()
     assert text[1] == "  case = AttentionCase(sq=8, sk=8, d=2, dv=3, block_q=4, block_k=4)  # shrunk, fitted to misused"
-    assert re.match(r"  o\[0, 0, [4-7], 1\]: expected -?[\d.]+, got -?[\d.]+ \(error 1, allowed [\d.e+-]+\); "
+    assert re.match(r"  o\[0, 0, [4-7], 1\]: expected -?[\d.]+, got -?[\d.]+ \(error 1, relative error [\d.e+-]+, "
+                    r"allowed [\d.e+-]+\); "
                     r"4 of 24 entries wrong$", text[2]), text[2]
     assert text[3] == "  wrong o by query row (X wrong, . right; | every 4): ....|XXXX", text[3]
     assert text[4] == "  wrong in batch 0 of 1, heads 0 of 1, 1 of 3 value dims", text[4]
     untiled = _failure_with_rows_wrong([0], blocks=None).render(None).splitlines()
     assert "block_q" not in untiled[1] and untiled[3].endswith("): X......."), untiled
+
+
+def test_the_case_shows_block_sizes_at_their_defaults_for_a_kernel_that_takes_or_fixes_them():
+    for declared in (dict(blocks="any"), dict(blocks=None, tiles=(16, 16))):
+        text = _failure_with_rows_wrong([0], block=16, **declared).render(None).splitlines()
+        assert text[1].startswith("  case = AttentionCase(sq=8, sk=8, d=2, dv=3, block_q=16, block_k=16)"), (
+            f"{declared}: expected the 16x16 blocks in the case, got {text[1]}")
+
+
+def test_numpy_scalar_reprs_in_a_message_read_as_plain_numbers():
+    from flashcheck.report import plain_numbers
+
+    text = "expected np.float64(0.25), got np.float32(nan) at (np.int64(0), 1)"
+    assert plain_numbers(text) == "expected 0.25, got nan at (0, 1)", plain_numbers(text)
 
 
 def test_a_heatmap_is_drawn_only_where_matplotlib_is_installed(tmp_path, monkeypatch):

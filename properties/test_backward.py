@@ -91,7 +91,8 @@ def central_differences(case, forward, grads, sinks=None):
 
 def _assert_agree(who, case, checks, slack=(0.0, 0.0, 0.0)):
     for (name, numeric, analytic, bound), extra in zip(checks, slack):
-        note(f"d{name}: central difference {numeric!r}, analytic {analytic!r}, allowed {bound + extra:.3e}")
+        note(f"d{name}: central difference {float(numeric)!r}, analytic {float(analytic)!r}, "
+             f"allowed {bound + extra:.3e}")
         assert abs(numeric - analytic) <= bound + extra, (
             f"{who}: d{name} along a random direction: central difference {numeric:.12g}, from the gradient "
             f"{analytic:.12g}, |diff| {abs(numeric - analytic):.3e} > allowed {bound + extra:.3e}\n  case: {case!r}")

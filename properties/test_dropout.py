@@ -106,8 +106,8 @@ def test_the_keep_mask_read_from_the_output_is_rescaled_kept_at_rate_1_minus_p_a
     slack = 8 * fs.EPS[case.dtype] * want.max(initial=0) + orc.half_spacing(want, case.dtype)
     assert np.all(np.abs(o - want) <= slack), (
         f"{impl.name}: with q = 0 and V = I, O must be keep / ((1 - p) n) (dropped scores give 0, kept ones "
-        f"are rescaled by 1 / (1 - p)); worst entry {o.ravel()[np.argmax(np.abs(o - want))]!r} where "
-        f"{want.ravel()[np.argmax(np.abs(o - want))]!r} was expected\n  case: {case!r}")
+        f"are rescaled by 1 / (1 - p)); worst entry {float(o.ravel()[np.argmax(np.abs(o - want))])!r} where "
+        f"{float(want.ravel()[np.argmax(np.abs(o - want))])!r} was expected\n  case: {case!r}")
     n = int(vis.sum()) * case.batch * case.hq
     kept = mask.sum() / max(n, 1)
     bound = bernstein(p * (1 - p) * n, 1.0, 1) / max(n, 1)
@@ -197,9 +197,9 @@ def test_the_mean_over_seeds_converges_to_dense_attention_forward_and_backward(i
         # the mean of SEEDS runs: variance / SEEDS, each term at most top / SEEDS; plus each run's rounding
         bound = bernstein(var / SEEDS, top / SEEDS, events) + orc.allowed(case, name)[0] / (1 - p)
         worst = np.abs(mean - orc.truth(case)[name]) - bound
-        idx = np.unravel_index(np.argmax(worst), worst.shape)
+        idx = tuple(int(i) for i in np.unravel_index(np.argmax(worst), worst.shape))
         note(f"{name}: largest |mean - dense| {np.abs(mean - orc.truth(case)[name]).max():.3e}")
         assert worst[idx] <= 0, (
-            f"{impl.name}: the mean {name} over {SEEDS} dropout seeds is {mean[idx]!r} at {idx}, dense attention "
-            f"gives {orc.truth(case)[name][idx]!r}; the model allows {bound[idx]:.3e} "
+            f"{impl.name}: the mean {name} over {SEEDS} dropout seeds is {float(mean[idx])!r} at {idx}, dense "
+            f"attention gives {float(orc.truth(case)[name][idx])!r}; the model allows {bound[idx]:.3e} "
             f"(false-alarm probability {FALSE_ALARM})\n  case: {case!r}")

@@ -205,7 +205,7 @@ def test_reference_backward_with_every_feature_agrees_with_central_differences(c
         return numpy_ref.dense_forward(q, k, v, **kw, **({} if sinks is None else {"sinks": sinks}))[0]
 
     for name, numeric, analytic, bound in central_differences(case, forward, grads, sinks):
-        note(f"d{name}: central difference {numeric!r}, analytic {analytic!r}, allowed {bound:.3e}")
+        note(f"d{name}: central difference {float(numeric)!r}, analytic {float(analytic)!r}, allowed {bound:.3e}")
         assert abs(numeric - analytic) <= bound, (
             f"reference d{name} along a random direction: central difference {numeric:.12g}, analytic "
             f"{analytic:.12g}, |diff| {abs(numeric - analytic):.3e} > allowed {bound:.3e}\n  case: {case!r}")

@@ -124,16 +124,26 @@ def test_results_do_not_depend_on_block_sizes(impl, case, other):
                         who=f"{impl.name} ({case2.block_q}x{case2.block_k} vs {case.block_q}x{case.block_k})")
 
 
-@given(case=fs.cases())
-@ph.every_dtype_and_regime()
-def test_inputs_are_never_modified(impl, case):
+@given(case=fs.cases(), path=st.sampled_from(tuple(call.PATHS)))
+@ph.every_dtype_and_regime(path="autograd")
+@example(case=Case(sq=3, sk=5, d=2, dv=2), path="plain")  # each way a kernel is called, in every run
+@example(case=Case(sq=3, sk=5, d=2, dv=2), path="no_grad")
+@example(case=Case(sq=3, sk=5, d=2, dv=2), path="inference_mode")
+def test_inputs_are_never_modified(impl, case, path):
+    """On the training path and every inference path: a kernel may branch on requires_grad."""
     if ph.slow_pin(impl, case):
         return
     case = fs.fit(impl, case)
+    if path == "autograd" and not impl.has_backward:
+        path = "plain"
     q, k, v, do = case.inputs()
-    res = call.run(impl, case, q, k, v, do if impl.has_backward else None)
+    if impl.framework == "numpy":  # one way to call it
+        path, do = None, do if impl.has_backward else None
+    res = call.run(impl, case, q, k, v, do if path == "autograd" else None, path=path) if path else \
+        call.run(impl, case, q, k, v, do)
+    how = f" when called {call.PATHS[path]}" if path else ""
     for name, before, after in zip("qkv", case.inputs(), res.inputs_after):  # inputs() is a fresh copy
-        assert np.array_equal(before, after), f"{impl.name} modified its input {name}\n  case: {case!r}"
+        assert np.array_equal(before, after), f"{impl.name} modified its input {name}{how}\n  case: {case!r}"
 
 
 @pytest.mark.requires("deterministic")

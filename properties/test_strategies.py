@@ -1,4 +1,6 @@
 """The strategies can reach every region they promise, and cases replay bit for bit."""
+import functools
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, Phase, assume, find, given, settings
@@ -13,6 +15,7 @@ pytestmark = [pytest.mark.properties, ph.CPU_PROFILES_ONLY]
 
 SEARCH = settings(max_examples=3000, database=None, derandomize=True,  # the same search in every profile
                   suppress_health_check=list(HealthCheck))
+FIRST_FOUND = settings(SEARCH, phases=[Phase.generate])  # reached is all that is asked: no shrinking
 
 REGIONS = {
     "Sq = Sk = 1": lambda c: c.sq == 1 and c.sk == 1,
@@ -45,7 +48,7 @@ REGIONS = {
 
 @pytest.mark.parametrize("region", sorted(REGIONS))
 def test_cases_can_reach(region):
-    found = find(fs.cases(dtypes=fs.draw.DEFAULT_DTYPES), REGIONS[region], settings=SEARCH)
+    found = find(fs.cases(dtypes=fs.draw.DEFAULT_DTYPES), REGIONS[region], settings=FIRST_FOUND)
     assert REGIONS[region](found)
 
 
@@ -203,14 +206,41 @@ def _sample(strategy, n=200):
     return seen
 
 
+def test_declared_tiles_draw_lengths_around_their_multiples(monkeypatch):
+    from flashcheck.impls import implementation
+
+    impl = implementation(name="tiled", tiles=(32, 48), dtypes=("float64",), register=False)(
+        lambda q, k, v, **_: q).__flashcheck__
+    monkeypatch.setattr(fs.draw, "DRAWING_FOR", [impl])
+    fitted = fs.cases(dtypes=("float64",)).map(lambda c: fs.draw.within(impl, c))
+    for name, tile in (("sq", 32), ("sk", 48)):
+        for n in (tile - 1, tile, tile + 1, 2 * tile):
+            found = find(fitted, lambda c: getattr(c, name) == n, settings=FIRST_FOUND)
+            assert (found.block_q, found.block_k) == (32, 48), f"a case must show the kernel's tiles: {found!r}"
+            assert found.batch == 1 or max(found.sq, found.sk) <= fs.limits()["seq"], f"too costly: {found!r}"
+
+
+@functools.cache
+def _default_sample():
+    """200 draws of the default strategy, shared by the tests that read its distribution."""
+    return _sample(fs.cases(dtypes=fs.draw.DEFAULT_DTYPES))
+
+
+def test_lengths_around_common_tile_sizes_are_drawn_without_a_declaration():
+    within_budget = {n for t in fs.draw.TILE_SIZES for n in (t - 1, t, t + 1) if n <= fs.limits()["seq"]}
+    seen = {c.sk for c in _default_sample() if c.dtype not in ("float16", "bfloat16")}
+    assert within_budget <= seen, f"expected every length around a common tile size, missing {within_budget - seen}"
+    assert max(seen) <= fs.limits()["seq"], "without declared tiles lengths stay within the profile's budget"
+
+
 def test_trivial_one_by_one_cases_are_a_small_minority():
-    seen = _sample(fs.cases(dtypes=fs.draw.DEFAULT_DTYPES))
+    seen = _default_sample()
     trivial = sum(c.sq == c.sk == 1 for c in seen)
     assert trivial <= 0.1 * len(seen), f"expected at most 10% Sq = Sk = 1 cases, drew {trivial} of {len(seen)}"
 
 
 def test_long_half_precision_region_is_drawn_and_only_in_half_precision():
-    seen = _sample(fs.cases(dtypes=fs.draw.DEFAULT_DTYPES))
+    seen = _default_sample()
     long = [c for c in seen if max(c.sq, c.sk) > fs.limits()["seq"]]
     assert len(long) >= 3, f"expected the long region among 200 draws, got {len(long)}"
     assert all(c.dtype in ("float16", "bfloat16") for c in long), "long cases must be fp16 or bf16"

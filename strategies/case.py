@@ -55,7 +55,7 @@ class AttentionCase:
     regime: str = "plain"
     seed: int = 0
     precision: str = "fused"  # the rounding model it is judged by (impls.rounding); fit() copies the kernel's
-    # features (README, "Features"); each defaults to off
+    # features (docs/features.md); each defaults to off
     window: tuple[int, int] | None = None  # (left, right), -1 = unbounded on that side
     softcap: float = 0.0  # 0 = off
     alibi: tuple | None = None  # slopes: Hq floats, or B tuples of Hq floats (per batch)
@@ -63,8 +63,13 @@ class AttentionCase:
     dropout_p: float = 0.0
     dropout_seed: int = 0
 
-    def __repr__(self):  # fields at their default are left out: the printed case is short, and still exact
-        shown = [f for f in fields(self) if getattr(self, f.name) != f.default]
+    def __repr__(self):
+        return self.code()
+
+    def code(self, always=()) -> str:
+        """The case as code: fields at their default are left out (the printed case is short, and
+        still exact), except those named in ``always``."""
+        shown = [f for f in fields(self) if f.name in always or getattr(self, f.name) != f.default]
         return f"AttentionCase({', '.join(f'{f.name}={_literal(getattr(self, f.name))}' for f in shown)})"
 
     def __post_init__(self):

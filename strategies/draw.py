@@ -8,6 +8,7 @@ no causal mask and seed 0, unless the bug needs more.
 from __future__ import annotations
 
 import math
+import time
 
 from hypothesis import currently_in_test_context, note, reject, settings
 from hypothesis import strategies as st
@@ -48,17 +49,38 @@ def limits() -> dict:
     return LIMITS.get(_profile(), LIMITS["default"])
 
 
-def lengths(block: int, top: int):
-    """A sequence length: small first, then the boundaries around one and two blocks.
+# The tile sizes real kernels use: lengths one either side of them hold partial-tile bugs
+TILE_SIZES = (16, 32, 48, 64, 96, 128, 256)
+DRAWING_FOR: list = [None]  # the implementation the running test draws for (the pytest plugin sets it)
+
+
+def lengths(block: int, top: int, reach: int | None = None):
+    """A sequence length: small first, then the boundaries around one and two blocks, and
+    lengths around the tile sizes real kernels use.
 
     The same draws whatever the block, so that shrinking the block does not reinterpret them.
+    ``reach`` lets the block boundaries go past ``top`` (a kernel's declared fixed tiles).
     """
-    def edge(tiles, delta):  # an edge past the range becomes its nearest end, 1 only at block 1
-        return min(max(tiles * block + delta, 1 if delta >= 0 else 2), top)
+    reach = reach or top
 
+    def edge(tiles, delta):  # an edge past the range becomes its nearest end, 1 only at block 1
+        return min(max(tiles * block + delta, 1 if delta >= 0 else 2), reach)
+
+    common = [n for t in TILE_SIZES for n in (t - 1, t, t + 1) if n <= top]
     # the third branch keeps one-by-one problems a small minority of what is drawn
     return st.one_of(st.integers(1, top), st.builds(edge, st.sampled_from((1, 2)), st.sampled_from((0, -1, 1))),
-                     st.integers(max(1, top // 4), top))
+                     st.integers(max(1, top // 4), top), st.sampled_from(common or [top]))
+
+
+def fixed_tiles():
+    """The (block_q, block_k) tiles the implementation being drawn for declares, or None."""
+    return getattr(DRAWING_FOR[0], "tiles", None)
+
+
+def tile_reach(tiles) -> int:
+    """How long a length goes to show a declared tile's boundaries: two tiles and one, as far as the
+    float64 truth affords on the host (the long region's length)."""
+    return min(2 * max(tiles) + 1, limits()["long"])
 
 
 @st.composite
@@ -83,20 +105,25 @@ def cases(draw, *, dtypes=None, causal=None, regimes=REGIMES, masked_rows=False,
     batch = draw(st.integers(1, lim["batch"]), label="batch")
     hkv = draw(st.integers(1, lim["heads"]), label="hkv")
     hq = hkv * draw(st.integers(1, lim["heads"]), label="group")
-    block_q = draw(block_sizes(), label="block_q")
-    block_k = draw(block_sizes(), label="block_k")
-    sk = draw(lengths(block_k, lim["seq"]), label="sk")
+    tiles = fixed_tiles()
+    if tiles:  # lengths around the kernel's own tiles, which it does not take as arguments
+        (block_q, block_k), reach = tiles, tile_reach(tiles)
+    else:
+        block_q = draw(block_sizes(), label="block_q")
+        block_k = draw(block_sizes(), label="block_k")
+        reach = None
+    sk = draw(lengths(block_k, lim["seq"], reach), label="sk")
     if masked_rows:
         # bottom-right with Sq > Sk: the first Sq - Sk query rows see no key at all
         sq = sk + draw(st.integers(1, lim["seq"]), label="masked rows")
         align = "bottom_right"
     elif masked_keys:
         # top-left with Sk > Sq: keys past the last query are seen by nobody
-        sq = draw(lengths(block_q, lim["seq"]), label="sq")
+        sq = draw(lengths(block_q, lim["seq"], reach), label="sq")
         sk = sq + draw(st.integers(1, lim["seq"]), label="masked keys")
         align = "top_left"
     else:
-        sq = sk if equal_lengths else draw(lengths(block_q, lim["seq"]), label="sq")
+        sq = sk if equal_lengths else draw(lengths(block_q, lim["seq"], reach), label="sq")
         align = None if causal == "none" else causal or draw(
             st.sampled_from((None, "bottom_right", "top_left")), label="causal")
     dims = st.one_of(st.integers(1, 8), st.sampled_from([x for x in DIMS if x <= lim["dim"]]))
@@ -106,6 +133,8 @@ def cases(draw, *, dtypes=None, causal=None, regimes=REGIMES, masked_rows=False,
     dtype = draw(st.sampled_from(dtypes), label="dtype")
     regime = draw(st.sampled_from(regimes), label="regime")
     seed = draw(st.integers(0, 2**32 - 1), label="seed")
+    if max(sq, sk) > lim["seq"]:  # past a tile of a kernel's own: one batch entry and few heads keep the truth cheap
+        batch, hkv, hq = 1, min(hkv, 2), min(hkv, 2) * min(hq // hkv, 2)
     extra = draw(feature_fields(features, batch=batch, hq=hq, seq=lim["seq"])) if features else {}
     return AttentionCase(batch=batch, hq=hq, hkv=hkv, sq=sq, sk=sk, d=d, dv=dv, causal=align, scale=scale,
                          dtype=dtype, block_q=block_q, block_k=block_k, regime=regime, seed=seed, **extra)
@@ -151,6 +180,8 @@ LAST_FITTED: list = [None]  # (impl, case) of the latest fit: the case a failure
 PINS: list = [frozenset()]  # the running test's @example cases (the pytest plugin sets it)
 PIN_REPORTS: list[str] = []  # pins that were refitted or not run, reported after the test
 LAST_REFUSAL: list = [None]  # why the latest case was rejected: shown when no case fits at all
+BUDGET: list = [None]  # time.monotonic() past which generated cases are refused (the plugin sets it)
+FIRST_PASS: list = [False]  # True in the plugin's first pass (flashcheck/firstpass.py), then the coverage pin it ran
 
 
 class PinNotAsWritten(UserWarning):
@@ -170,7 +201,8 @@ def within(impl, case: AttentionCase) -> AttentionCase:
         c = c.replace(hkv=c.hq)
     d = impl.nearest_head_dim(c.d)
     c = c.replace(d=d, dv=d if impl.equal_head_dims else impl.nearest_head_dim(c.dv))
-    if c.dtype not in HALF and max(c.sq, c.sk) > limits()["seq"]:
+    reach = max(tile_reach(impl.tiles) if impl.tiles else 0, limits()["seq"])
+    if c.dtype not in HALF and max(c.sq, c.sk) > reach:
         reject()  # the long region is for fp16/bf16 kernels; cutting it short would stall the shrinker
     m = impl.seq_multiple
     lo = -(-impl.min_seq // m) * m
@@ -183,6 +215,8 @@ def within(impl, case: AttentionCase) -> AttentionCase:
     c = c.replace(sq=sq, sk=sk)
     if not impl.masked_rows and c.window is not None and not c.visible().any(axis=1).all():
         c = c.replace(window=None)  # a window that empties rows, for one that declares it cannot have them
+    if impl.tiles:  # the case shows the tiles the kernel runs with
+        c = c.replace(block_q=impl.tiles[0], block_k=impl.tiles[1])
     if isinstance(impl.blocks, tuple):
         c = c.replace(block_q=_nearest(c.block_q, impl.blocks), block_k=_nearest(c.block_k, impl.blocks))
     if not impl.scale_arg:
@@ -208,6 +242,9 @@ def fit(impl, case: AttentionCase) -> AttentionCase:
     case for every implementation. A pin that had to change, or cannot run at all, is
     reported (PIN_REPORTS), so that it never passes without testing what it names.
     """
+    if BUDGET[0] is not None and LAST_FITTED[0] is not None and case not in PINS[0] and time.monotonic() > BUDGET[0]:
+        LAST_REFUSAL[0] = "the property's time budget is spent (FLASHCHECK_PROPERTY_SECONDS)"
+        reject()  # Hypothesis ends the property once its refusals pile up: a night sized by time
     c, why = supported(impl, case)
     if c is None:
         _pin_report(case, f"not run: {why}")
@@ -216,7 +253,7 @@ def fit(impl, case: AttentionCase) -> AttentionCase:
         reject()
     if c != case.replace(precision=impl.precision):  # a precision alone is not worth a note
         _note(f"fitted to {impl.name}: {c!r}")
-        changed = [f for f in FIELDS if getattr(case, f) != getattr(c, f) and f not in _incidental(case)]
+        changed = [f for f in FIELDS if getattr(case, f) != getattr(c, f) and f not in _incidental(case, impl)]
         if changed:
             _pin_report(case, "refitted: " + ", ".join(f"{f} {getattr(case, f)!r} -> {getattr(c, f)!r}"
                                                      for f in changed))
@@ -225,6 +262,10 @@ def fit(impl, case: AttentionCase) -> AttentionCase:
             _pin_report(case, f"not run: known issue {issue.text!r}")
             LAST_REFUSAL[0] = f"known issue {issue.text!r}"
             reject()  # a declared, already-reported failure: test the rest of the space
+    if FIRST_PASS[0] and case in QUIET_PINS:
+        if FIRST_PASS[0] is not True and FIRST_PASS[0] != case:
+            reject()  # the plugin's first pass: the hand-written pins, and one of the coverage pins
+        FIRST_PASS[0] = case
     LAST_FITTED[0] = (impl, c)
     return c
 
@@ -242,9 +283,11 @@ def _short(case: AttentionCase) -> str:
     return "Case" + repr(case).removeprefix("AttentionCase")
 
 
-def _incidental(case):
-    """Fields a pin leaves at their defaults are not what it is about: refitting them is no news."""
-    return {"precision"} | ({"dtype"} if case.dtype == AttentionCase.dtype else set())
+def _incidental(case, impl):
+    """Fields a pin leaves at their defaults are not what it is about, nor block sizes a kernel
+    does not take: refitting them is no news."""
+    return ({"precision"} | ({"dtype"} if case.dtype == AttentionCase.dtype else set())
+            | ({"block_q", "block_k"} if impl.blocks is None else set()))
 
 
 QUIET_PINS: set = set()  # pins written to cover a (dtype, regime) pair anywhere: refitting is their job
