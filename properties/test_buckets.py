@@ -1,5 +1,7 @@
 """The gpu lane's shape buckets (strategies/buckets.py): a bounded set per run, the boundary shapes in
 every set, shrinking to the plainest shape, and no change at all to the CPU profiles' draws."""
+import types
+
 import pytest
 from hypothesis import HealthCheck, find, given, settings
 
@@ -73,6 +75,14 @@ def test_every_set_holds_the_boundary_shapes_within_the_limits(run_seed):
         assert max(s.d, s.dv) <= LIM["dim"] and s.batch <= LIM["batch"] and max(s.hkv, s.group) <= LIM["heads"], s
     for relation in ("masked_rows", "masked_keys", "equal_lengths"):
         assert sum(map(buckets.RELATIONS[relation], shapes)) >= 2, f"expected two {relation} shapes at least"
+
+
+def test_a_kernel_with_fixed_tiles_gets_shapes_at_their_boundaries(on, monkeypatch):
+    monkeypatch.setattr(fs.draw, "DRAWING_FOR", [types.SimpleNamespace(tiles=(32, 48))])
+    shapes = buckets.run_shapes()
+    assert set(on) < set(shapes)
+    assert {(s.sq, s.sk) for s in shapes} >= {(31, 49), (33, 47), (65, 97)}, "expected lengths one off each tile"
+    assert max(s.sk for s in shapes) == 97, "expected two key tiles and one key (past the profile's limit in ci)"
 
 
 def test_other_seeds_give_other_sets():

@@ -170,11 +170,26 @@ def block_values(candidates: tuple[Shape, ...]) -> tuple[int, ...]:
 
 
 def run_shapes() -> tuple[Shape, ...]:
-    """This run's shapes under the current profile's limits."""
+    """This run's shapes under the current profile's limits, and at the boundaries of the tiles
+    the implementation being drawn for declares (``tiles=``), if it does."""
     from flashcheck.strategies import draw as fs_draw
 
     lim = fs_draw.limits()
-    return shapes(seed(), tuple(sorted(lim.items())), fs_draw.BLOCKS, tuple(x for x in fs_draw.DIMS if x <= lim["dim"]))
+    dims = tuple(x for x in fs_draw.DIMS if x <= lim["dim"])
+    found = shapes(seed(), tuple(sorted(lim.items())), fs_draw.BLOCKS, dims)
+    tiles = fs_draw.fixed_tiles()
+    return tile_shapes(found, tuple(tiles), fs_draw.tile_reach(tiles)) if tiles else found
+
+
+@functools.lru_cache(maxsize=8)
+def tile_shapes(found: tuple[Shape, ...], tiles: tuple[int, int], reach: int) -> tuple[Shape, ...]:
+    """``found`` and three shapes at a fixed-tile kernel's boundaries: a tile less one query with
+    one key past the first tile; one query and one key past a tile; one past two tiles of each."""
+    bq, bk = tiles
+    c = functools.partial(_clip, top=reach)
+    extra = {Shape(1, 1, 1, c(bq - 1), c(bk + 1), 16, 16, bq, bk), Shape(1, 1, 2, c(bq + 1), c(bk - 1), 8, 8, bq, bk),
+             Shape(1, 1, 1, c(2 * bq + 1), c(2 * bk + 1), 32, 32, bq, bk)}
+    return tuple(sorted(set(found) | extra, key=Shape.plainness))
 
 
 def run_long_shapes() -> tuple[Shape, ...]:
