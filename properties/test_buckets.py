@@ -128,3 +128,12 @@ def test_the_seed_is_chosen_once_and_kept(monkeypatch):
     assert buckets.seed() == 1234
     buckets.choose_seed(99)  # a worker inherits the controller's choice
     assert buckets.seed() == 1234
+
+
+def test_a_key_range_is_cut_at_few_points_in_a_bucketed_run(monkeypatch):
+    every = list(range(1, 40))
+    monkeypatch.setenv(buckets.ENV, "0")
+    assert buckets.split_points(every) == every
+    monkeypatch.setenv(buckets.ENV, "1")
+    assert buckets.split_points(every) == [1, 16, 20, 39]
+    assert buckets.split_points([3]) == [3] and buckets.split_points([]) == []

@@ -198,6 +198,22 @@ def run_long_shapes() -> tuple[Shape, ...]:
     return long_shapes(seed(), fs_draw.limits()["long"], (8, 16, 4, 32, 1, 5), (16, 32, 64, 128))
 
 
+def on() -> bool:
+    """Whether the running profile draws from the buckets."""
+    from flashcheck.strategies.draw import _profile
+
+    return active(_profile())
+
+
+def split_points(splits: list[int]) -> list[int]:
+    """Where a property may cut a key range in two (``splits``: every cut it could use). Each cut
+    is two new lengths: for a kernel that compiles per length, two compiles. In a bucketed run the
+    cuts are the first, the middle, the last and 16 keys (a common tile), a few per shape."""
+    if not splits or not on():
+        return splits
+    return sorted({splits[0], splits[len(splits) // 2], splits[-1]} | ({16} & set(splits)))
+
+
 def block_sizes():
     """A block size among those of the run's shapes."""
     return st.deferred(lambda: st.sampled_from(block_values(run_shapes())))
