@@ -113,10 +113,14 @@ def test_the_cpu_profiles_never_reach_the_buckets(monkeypatch):
     SAMPLE(given(fs.cases(), fs.draw.block_sizes())(lambda case, block: None))()
 
 
-def test_a_malformed_switch_is_refused_with_its_name(monkeypatch):
+def test_a_malformed_switch_or_seed_is_refused_with_its_name(monkeypatch):
     monkeypatch.setenv(buckets.ENV, "yes")
     with pytest.raises(ValueError, match=buckets.ENV):
-        buckets.active("gpu")
+        buckets.choose_seed(None)
+    monkeypatch.setenv(buckets.ENV, "1")
+    monkeypatch.setenv(buckets.SEED_ENV, "seven")
+    with pytest.raises(ValueError, match=buckets.SEED_ENV):
+        buckets.choose_seed(None)
 
 
 def test_the_seed_is_chosen_once_and_kept(monkeypatch):

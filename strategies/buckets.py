@@ -265,7 +265,9 @@ def choose_seed(hypothesis_seed=None) -> None:
     else 0. A fixed default keeps the set the same from run to run, so that a failure saved in
     the example database replays as the same case, and a Triton cache kept between runs holds
     every kernel the next run needs; a nightly job varies the seed to visit other shapes."""
+    active("")  # a malformed switch is refused here, once, rather than in every test
     if os.environ.get(SEED_ENV):
+        seed()  # and a malformed seed
         return
     value = 0
     if hypothesis_seed is not None:
