@@ -26,7 +26,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-IMPLS = {"triton-fused": "triton-fused", "triton-autotuned": str(ROOT / "examples" / "triton_autotuned.py") + ":attention"}
+IMPLS = {"triton-fused": "triton-fused",
+         "triton-autotuned": str(ROOT / "examples" / "triton_autotuned.py") + ":attention"}
 HALVES = (("properties/test_forward.py", "properties/test_backward.py"),
           ("properties/test_invariance.py", "properties/test_features.py"))
 
@@ -35,7 +36,9 @@ def launch(impl, spec, buckets, half, files, args, out: Path, caches: Path):
     name = f"{impl}-buckets{buckets}-part{half}"
     env = dict(os.environ, FLASHCHECK_PROFILE=args.profile, FLASHCHECK_SHAPE_BUCKETS=str(buckets),
                FLASHCHECK_BUCKET_SEED=str(args.seed), FLASHCHECK_TIMING_LOG=str(out / f"{name}.jsonl"),
-               FLASHCHECK_DB=str(caches / f"db-{name}"), TRITON_CACHE_DIR=str(caches / f"triton-{impl}-{buckets}"))
+               FLASHCHECK_DB=str(caches / f"db-{name}"), TRITON_CACHE_DIR=str(caches / f"triton-{impl}-{buckets}"),
+               # eight processes on one GPU: JAX, where a built-in loads it, takes only what it uses
+               XLA_PYTHON_CLIENT_PREALLOCATE="false")
     env.pop("FLASHCHECK_IMPL", None)
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist", "-p", "no:randomly", "-q",
            "--impl", spec, f"--hypothesis-seed={args.seed}", *files]
@@ -85,6 +88,7 @@ def summarize(runs, out: Path):
                 last[x["test"]] = x["jit"]
         p["jit"] += sum(last.values())
         p["failed"] += sum(t["outcome"] == "failed" for t in tests)
+        p.setdefault("failures", []).extend(t["test"] for t in tests if t["outcome"] == "failed")
         p["stopped"] += r["stopped"]
     lines = [f"{'implementation':18} {'buckets':7} {'tests':>5} {'examples':>8} {'seconds':>7} {'ex/s':>6} "
              f"{'jit s':>7} {'failed':>6}  stopped"]
@@ -96,6 +100,8 @@ def summarize(runs, out: Path):
         off, on = pairs.get((impl, 0)), pairs.get((impl, 1))
         if off and on and off["rate"]:
             lines.append(f"{impl}: buckets on give {on['rate'] / off['rate']:.1f}x the examples per second")
+    for (impl, b), p in sorted(pairs.items()):
+        lines += [f"  failed ({impl}, buckets {'on' if b else 'off'}): {t}" for t in p["failures"]]
     (out / "speed.json").write_text(json.dumps({f"{i} buckets={b}": p for (i, b), p in pairs.items()}, indent=1))
     return lines
 

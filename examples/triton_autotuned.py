@@ -1,7 +1,7 @@
 """A Triton FlashAttention written the way many third-party kernels are: autotuned, compiled per shape.
 
-    FLASHCHECK_PROFILE=gpu pytest -m properties --impl examples/triton_autotuned.py:attention   # on CUDA
-    pytest -m properties --impl examples/triton_autotuned.py:attention                          # CPU: Triton's interpreter
+    FLASHCHECK_PROFILE=gpu pytest -m properties --impl examples/triton_autotuned.py:attention  # CUDA
+    pytest -m properties --impl examples/triton_autotuned.py:attention  # no CUDA: Triton's interpreter
 
 The sequence lengths and head dims are ``tl.constexpr`` (as in Triton's tutorial, whose N_CTX and
 HEAD_DIM are), and ``@triton.autotune`` picks the tiles per (Sq, Sk, D, Dv). So every new shape
@@ -189,8 +189,8 @@ def _pad(n):
 
 
 def _shape_args(q, k, v, causal):
-    b, hq, sq, d = q.shape
-    hkv, sk, dv = k.shape[1], k.shape[2], v.shape[3]
+    """The constexprs: every new (Sq, Sk, D, Dv) is a new kernel, and a new autotuning."""
+    sq, d, sk, dv = q.shape[2], q.shape[3], k.shape[2], v.shape[3]
     return dict(SEQ_Q=sq, SEQ_K=sk, HEAD_DIM=d, HEAD_DV=dv, D_PAD=_pad(d), DV_PAD=_pad(dv), CAUSAL=bool(causal))
 
 

@@ -114,7 +114,10 @@ def pytest_configure(config):
     from flashcheck.impls.call import device_for
     from flashcheck.strategies import buckets, draw as fs_draw
 
-    buckets.choose_seed(config.getoption("hypothesis_seed", None))  # before xdist starts its workers
+    try:
+        buckets.choose_seed(config.getoption("hypothesis_seed", None))  # before xdist starts its workers
+    except ValueError as exc:
+        raise pytest.UsageError(str(exc)) from exc
     timing.register(config, profile)
     try:
         impls = [load(s) for s in specs] if specs else builtins()

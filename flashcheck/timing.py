@@ -7,6 +7,8 @@ Registered by the pytest plugin (flashcheck/plugin.py). Per test it measures:
   yet built in this process, between Triton's ``jit_cache_hook`` and ``jit_post_compile_hook``
   (Triton >= 3.4; "-" where they do not exist or nothing ran on Triton's JIT);
 - torch.compile: seconds dynamo and inductor spent compiling (``torch._dynamo.utils``);
+- jax: seconds JAX spent tracing, lowering and compiling with XLA (its ``/jax/core/compile/``
+  duration events, through ``jax.monitoring``);
 - examples: test cases that ran to a verdict (Hypothesis's rejected draws left out), counted by
   wrapping the test's ``hypothesis.inner_test``, the hook Hypothesis offers plug-ins.
 
@@ -39,6 +41,8 @@ class Clock:
         self.hooked = False  # looked for Triton's hooks
         self.timing = False  # and found them: the jit column is measured
         self._started = None
+        self.jax_s = 0.0
+        self.jax_hooked = False
 
     def hook_triton(self):
         """Chain onto Triton's compile hooks once triton is imported (never importing it here)."""
@@ -64,6 +68,22 @@ class Clock:
         runtime.jit_cache_hook, runtime.jit_post_compile_hook = on_miss, on_built
         self.timing = True
 
+    def hook_jax(self):
+        """Listen to JAX's compile events once jax is imported (never importing it here)."""
+        if self.jax_hooked or "jax" not in sys.modules:
+            return
+        self.jax_hooked = True
+        register = getattr(getattr(sys.modules["jax"], "monitoring", None), "register_event_duration_secs_listener",
+                           None)
+        if register is None:
+            return
+
+        def on_duration(event, duration, *args, **kwargs):
+            if str(event).startswith("/jax/core/compile/"):
+                self.jax_s += float(duration)
+
+        register(on_duration)
+
     @staticmethod
     def torch_compile_s() -> float:
         dynamo = sys.modules.get("torch._dynamo.utils")
@@ -74,8 +94,12 @@ class Clock:
         except Exception:  # a private API: its absence must never fail a test
             return 0.0
 
-    def now(self) -> tuple[float, int, float]:
-        return self.jit_s, self.jit_n, self.torch_compile_s()
+    def now(self) -> tuple[float, int, float, float]:
+        return self.jit_s, self.jit_n, self.torch_compile_s(), self.jax_s
+
+    def hook(self):
+        self.hook_triton()
+        self.hook_jax()
 
 
 class Timing:
@@ -96,7 +120,7 @@ class Timing:
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_call(self, item):
-        self.clock.hook_triton()
+        self.clock.hook()
         hyp = getattr(getattr(item, "obj", None), "hypothesis", None)
         inner = getattr(hyp, "inner_test", None)
         start, begun = self.clock.now(), time.perf_counter()
@@ -128,12 +152,12 @@ class Timing:
         finally:
             if inner is not None:
                 hyp.inner_test = inner
-            self.clock.hook_triton()  # a plug-in may import triton only on its first call
+            self.clock.hook()  # a plug-in may import triton or jax only on its first call
             end = self.clock.now()
             item.user_properties.append((_KEY, dict(
                 impl=_impl_name(item), examples=counted[0] if inner is not None else None,
                 jit=end[0] - start[0] if self.clock.timing else None,
-                compiles=end[1] - start[1], torch_compile=end[2] - start[2])))
+                compiles=end[1] - start[1], torch_compile=end[2] - start[2], jax=end[3] - start[3])))
 
     def pytest_runtest_logreport(self, report):
         if report.when != "call":
@@ -169,19 +193,21 @@ def _s(x) -> str:
 def table(rows: list[dict], shown: int = SHOWN) -> list[str]:
     """The summary: the slowest tests, then the totals per implementation."""
     out = ["", f"flashcheck timing (slowest {min(shown, len(rows))} of {len(rows)} tests; jit = Triton's JIT "
-               "compiles, torch.compile = dynamo + inductor)",
-           f"{'wall s':>8} {'jit s':>7} {'compiles':>8} {'torch.compile s':>15} {'examples':>8} {'ex/s':>6}  test"]
+               "compiles, torch.compile = dynamo + inductor, jax = JAX's trace, lowering and XLA compile)",
+           f"{'wall s':>8} {'jit s':>7} {'compiles':>8} {'torch.compile s':>15} {'jax s':>7} {'examples':>8} "
+           f"{'ex/s':>6}  test"]
     for r in sorted(rows, key=lambda r: -r["wall"])[:shown]:
         out.append(f"{r['wall']:8.1f} {_s(r['jit']):>7} {r['compiles']:8d} {_s(r['torch_compile'] or None):>15} "
-                   f"{'-' if r['examples'] is None else r['examples']:>8} {_rate(r['examples'], r['wall']):>6}  "
-                   f"{r['test']}")
+                   f"{_s(r.get('jax') or None):>7} {'-' if r['examples'] is None else r['examples']:>8} "
+                   f"{_rate(r['examples'], r['wall']):>6}  {r['test']}")
     totals: dict[str, dict] = {}
     for r in rows:
         t = totals.setdefault(r["impl"] or "(no implementation)",
-                              dict(wall=0.0, jit=None, compiles=0, torch_compile=0.0, examples=0, tests=0))
+                              dict(wall=0.0, jit=None, compiles=0, torch_compile=0.0, jax=0.0, examples=0, tests=0))
         t["wall"] += r["wall"]
         t["compiles"] += r["compiles"]
         t["torch_compile"] += r["torch_compile"]
+        t["jax"] += r.get("jax") or 0.0
         t["examples"] += r["examples"] or 0
         t["tests"] += 1
         if r["jit"] is not None:
@@ -189,7 +215,8 @@ def table(rows: list[dict], shown: int = SHOWN) -> list[str]:
     out.append("per implementation (sums over its tests):")
     for name, t in sorted(totals.items(), key=lambda kv: -kv[1]["wall"]):
         out.append(f"{t['wall']:8.1f} {_s(t['jit']):>7} {t['compiles']:8d} {_s(t['torch_compile'] or None):>15} "
-                   f"{t['examples']:8d} {_rate(t['examples'], t['wall']):>6}  {name} ({t['tests']} tests)")
+                   f"{_s(t['jax'] or None):>7} {t['examples']:8d} {_rate(t['examples'], t['wall']):>6}  {name} "
+                   f"({t['tests']} tests)")
     return out
 
 

@@ -1,5 +1,7 @@
 """The gpu lane's shape buckets (strategies/buckets.py): a bounded set per run, the boundary shapes in
 every set, shrinking to the plainest shape, and no change at all to the CPU profiles' draws."""
+import types
+
 import pytest
 from hypothesis import HealthCheck, find, given, settings
 
@@ -75,6 +77,14 @@ def test_every_set_holds_the_boundary_shapes_within_the_limits(run_seed):
         assert sum(map(buckets.RELATIONS[relation], shapes)) >= 2, f"expected two {relation} shapes at least"
 
 
+def test_a_kernel_with_fixed_tiles_gets_shapes_at_their_boundaries(on, monkeypatch):
+    monkeypatch.setattr(fs.draw, "DRAWING_FOR", [types.SimpleNamespace(tiles=(32, 48))])
+    shapes = buckets.run_shapes()
+    assert set(on) < set(shapes)
+    assert {(s.sq, s.sk) for s in shapes} >= {(31, 49), (33, 47), (65, 97)}, "expected lengths one off each tile"
+    assert max(s.sk for s in shapes) == 97, "expected two key tiles and one key (past the profile's limit in ci)"
+
+
 def test_other_seeds_give_other_sets():
     sets = {buckets.shapes(s, tuple(sorted(LIM.items())), fs.draw.BLOCKS, DIMS) for s in range(5)}
     assert len(sets) == 5, "expected five seeds to give five sets"
@@ -103,10 +113,14 @@ def test_the_cpu_profiles_never_reach_the_buckets(monkeypatch):
     SAMPLE(given(fs.cases(), fs.draw.block_sizes())(lambda case, block: None))()
 
 
-def test_a_malformed_switch_is_refused_with_its_name(monkeypatch):
+def test_a_malformed_switch_or_seed_is_refused_with_its_name(monkeypatch):
     monkeypatch.setenv(buckets.ENV, "yes")
     with pytest.raises(ValueError, match=buckets.ENV):
-        buckets.active("gpu")
+        buckets.choose_seed(None)
+    monkeypatch.setenv(buckets.ENV, "1")
+    monkeypatch.setenv(buckets.SEED_ENV, "seven")
+    with pytest.raises(ValueError, match=buckets.SEED_ENV):
+        buckets.choose_seed(None)
 
 
 def test_the_seed_is_chosen_once_and_kept(monkeypatch):
@@ -118,3 +132,12 @@ def test_the_seed_is_chosen_once_and_kept(monkeypatch):
     assert buckets.seed() == 1234
     buckets.choose_seed(99)  # a worker inherits the controller's choice
     assert buckets.seed() == 1234
+
+
+def test_a_key_range_is_cut_at_few_points_in_a_bucketed_run(monkeypatch):
+    every = list(range(1, 40))
+    monkeypatch.setenv(buckets.ENV, "0")
+    assert buckets.split_points(every) == every
+    monkeypatch.setenv(buckets.ENV, "1")
+    assert buckets.split_points(every) == [1, 16, 20, 39]
+    assert buckets.split_points([3]) == [3] and buckets.split_points([]) == []

@@ -43,7 +43,7 @@ def test_examples_are_counted_per_test_and_logged(tmp_path, monkeypatch):
     assert test["examples"] == len(examples) == 20, f"expected 20 examples that ran, logged {examples}, got {test}"
     assert test["impl"] == "my-kernel" and test["wall"] == 2.0 and test["jit"] is None, test
     row = next(line for line in timing.table(plugin.rows) if line.endswith(item.nodeid))
-    assert row.split()[:6] == ["2.0", "-", "0", "-", "20", "10.00"], f"expected wall 2.0 and 20 examples, got {row!r}"
+    assert row.split()[:7] == ["2.0", "-", "0", "-", "-", "20", "10.00"], f"expected 2.0 s and 20 examples, got {row!r}"
     assert prop.hypothesis.inner_test is original, "expected the test's own inner_test back after the call"
 
 
@@ -64,3 +64,18 @@ def test_a_malformed_switch_is_refused_with_its_name(monkeypatch):
     monkeypatch.setenv(timing.ENV, "on")
     with pytest.raises(pytest.UsageError, match=timing.ENV):
         timing.register(None, "gpu")
+
+
+def test_jax_compile_events_are_summed(monkeypatch):
+    listeners = []
+    monitoring = types.SimpleNamespace(register_event_duration_secs_listener=listeners.append)
+    jax = types.SimpleNamespace(monitoring=monitoring)
+    monkeypatch.setitem(sys.modules, "jax", jax)
+    clock = timing.Clock()
+    clock.hook()
+    clock.hook()  # once per process
+    assert len(listeners) == 1
+    listeners[0]("/jax/core/compile/backend_compile_duration", 1.5)
+    listeners[0]("/jax/core/compile/jaxpr_trace_duration", 0.25, fun_name="f")
+    listeners[0]("/jax/dispatch/other_duration", 9.0)  # not a compile
+    assert clock.jax_s == 1.75 and clock.now()[3] == 1.75, clock.jax_s

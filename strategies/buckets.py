@@ -170,17 +170,48 @@ def block_values(candidates: tuple[Shape, ...]) -> tuple[int, ...]:
 
 
 def run_shapes() -> tuple[Shape, ...]:
-    """This run's shapes under the current profile's limits."""
+    """This run's shapes under the current profile's limits, and at the boundaries of the tiles
+    the implementation being drawn for declares (``tiles=``), if it does."""
     from flashcheck.strategies import draw as fs_draw
 
     lim = fs_draw.limits()
-    return shapes(seed(), tuple(sorted(lim.items())), fs_draw.BLOCKS, tuple(x for x in fs_draw.DIMS if x <= lim["dim"]))
+    dims = tuple(x for x in fs_draw.DIMS if x <= lim["dim"])
+    found = shapes(seed(), tuple(sorted(lim.items())), fs_draw.BLOCKS, dims)
+    tiles = fs_draw.fixed_tiles()
+    return tile_shapes(found, tuple(tiles), fs_draw.tile_reach(tiles)) if tiles else found
+
+
+@functools.lru_cache(maxsize=8)
+def tile_shapes(found: tuple[Shape, ...], tiles: tuple[int, int], reach: int) -> tuple[Shape, ...]:
+    """``found`` and three shapes at a fixed-tile kernel's boundaries: a tile less one query with
+    one key past the first tile; one query and one key past a tile; one past two tiles of each."""
+    bq, bk = tiles
+    c = functools.partial(_clip, top=reach)
+    extra = {Shape(1, 1, 1, c(bq - 1), c(bk + 1), 16, 16, bq, bk), Shape(1, 1, 2, c(bq + 1), c(bk - 1), 8, 8, bq, bk),
+             Shape(1, 1, 1, c(2 * bq + 1), c(2 * bk + 1), 32, 32, bq, bk)}
+    return tuple(sorted(set(found) | extra, key=Shape.plainness))
 
 
 def run_long_shapes() -> tuple[Shape, ...]:
     from flashcheck.strategies import draw as fs_draw
 
     return long_shapes(seed(), fs_draw.limits()["long"], (8, 16, 4, 32, 1, 5), (16, 32, 64, 128))
+
+
+def on() -> bool:
+    """Whether the running profile draws from the buckets."""
+    from flashcheck.strategies.draw import _profile
+
+    return active(_profile())
+
+
+def split_points(splits: list[int]) -> list[int]:
+    """Where a property may cut a key range in two (``splits``: every cut it could use). Each cut
+    is two new lengths: for a kernel that compiles per length, two compiles. In a bucketed run the
+    cuts are the first, the middle, the last and 16 keys (a common tile), a few per shape."""
+    if not splits or not on():
+        return splits
+    return sorted({splits[0], splits[len(splits) // 2], splits[-1]} | ({16} & set(splits)))
 
 
 def block_sizes():
@@ -234,7 +265,9 @@ def choose_seed(hypothesis_seed=None) -> None:
     else 0. A fixed default keeps the set the same from run to run, so that a failure saved in
     the example database replays as the same case, and a Triton cache kept between runs holds
     every kernel the next run needs; a nightly job varies the seed to visit other shapes."""
+    active("")  # a malformed switch is refused here, once, rather than in every test
     if os.environ.get(SEED_ENV):
+        seed()  # and a malformed seed
         return
     value = 0
     if hypothesis_seed is not None:
