@@ -10,7 +10,8 @@
   ``@pytest.mark.requires("lse")`` (etc.) is skipped, with the reason, where the capability
   is not declared (flashcheck.impls.capabilities). A property none of whose drawn cases fits
   the declarations is skipped with them; one input that gave two verdicts (Hypothesis's
-  FlakyFailure) is reported as nondeterminism; an ``@example`` pin refitted to the
+  FlakyFailure) is reported as nondeterminism, or as an error that did not recur when the first
+  call raised or failed to compile (properties/helpers.py); an ``@example`` pin refitted to the
   declarations, or not run on them, is a PinNotAsWritten warning (in a plug-in run, only for the
   pins of the user's own tests: the suite's pins are refitted to every kernel by design).
 - Numeric properties run before the ``input_validation`` ones, so a kernel that validates
@@ -29,7 +30,7 @@ from pathlib import Path
 import pytest
 
 import flashcheck
-from flashcheck import report
+from flashcheck import report, timing
 
 MARKERS = (
     "properties: Hypothesis property tests (the main suite: pytest -m properties)",
@@ -106,13 +107,15 @@ def pytest_configure(config):
         raise pytest.UsageError(f"this flashcheck checkout ({checkout}) is not the flashcheck pytest imports "
                                 f"({here}); run pip install -e . in the checkout")
     _switch_triton_interpreter()
-    _load_profile(config)
+    profile = _load_profile(config)
     if os.environ.get("FLASHCHECK_PROPERTY_SECONDS"):
         _seconds(os.environ["FLASHCHECK_PROPERTY_SECONDS"])  # a bad value stops the run before it starts
     from flashcheck.impls import ContractError, builtins, load
     from flashcheck.impls.call import device_for
-    from flashcheck.strategies import draw as fs_draw
+    from flashcheck.strategies import buckets, draw as fs_draw
 
+    buckets.choose_seed(config.getoption("hypothesis_seed", None))  # before xdist starts its workers
+    timing.register(config, profile)
     try:
         impls = [load(s) for s in specs] if specs else builtins()
     except ContractError as exc:
@@ -170,6 +173,7 @@ def _load_profile(config):
     if name == "gpu" and not cuda_available() and not config.getoption("--allow-skip"):
         raise pytest.UsageError("the gpu profile is for CUDA runners and this machine has no CUDA "
                                 "(torch.cuda.is_available() is False); pass --allow-skip to run it anyway")
+    return name
 
 
 def _keep_hypothesis_files_in(home: Path):

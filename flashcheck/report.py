@@ -19,6 +19,7 @@ from __future__ import annotations
 import re
 import traceback
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -138,7 +139,9 @@ class Failure:
             text = plain_numbers(str(err)).strip().splitlines()
             head = text[0] if text else ""
             own = isinstance(err, AssertionError) or type(err).__module__.startswith(("_pytest", "pytest"))
-            what = head if own else f"{impl.name} raised {type(err).__name__}: {head}"
+            what = head if own else (f"flashcheck itself raised {type(err).__name__}: {head} (a bug in the suite, "
+                                     f"not a verdict on {impl.name})" if suite_raised(err)
+                                     else f"{impl.name} raised {type(err).__name__}: {head}")
             lines.append(f"  {what[:400]}")
             if own and len(text) > 1 and not text[1].strip().startswith("case:"):
                 lines.append(f"  {text[1].strip()[:200]}")
@@ -162,6 +165,36 @@ class Text:
 
     def __str__(self):
         return self.text
+
+
+SUITE_IN_IMPLS = ("__init__.py", "capabilities.py", "rounding.py")  # impls/ holds kernels, and these
+
+
+def suite_raised(exc: BaseException) -> bool:
+    """Whether the suite's own code raised ``exc`` rather than the kernel: the innermost frame of
+    its traceback outside installed packages and the standard library is the suite's, and not the
+    call of the kernel (impls/call.py, which a kernel installed as a package raises through)."""
+    import sysconfig
+
+    import flashcheck
+    from flashcheck import properties, strategies
+    from flashcheck.impls import call
+
+    impls = Path(call.__file__).resolve().parent
+    mine = [Path(m.__file__).resolve().parent for m in (flashcheck, properties, strategies)]
+    installed = [Path(sysconfig.get_paths()[k]).resolve() for k in ("stdlib", "purelib", "platlib")]
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        path = Path(frame.filename).resolve()
+        if path == Path(call.__file__).resolve():
+            return False  # raised in, or through, the call of the kernel
+        if path.is_relative_to(impls):  # an installed package puts impls/ inside flashcheck/
+            if path.name in SUITE_IN_IMPLS:
+                return True
+        elif any(path.is_relative_to(d) for d in mine):
+            return True
+        if not any(path.is_relative_to(d) for d in installed):
+            return False  # the kernel's own file (a plug-in, or a built-in in a checkout)
+    return False
 
 
 def _rerun(impl, case, message: str) -> Entries | None:

@@ -226,6 +226,9 @@ def implementation(*, name: str, causal="bottom_right", dtypes=("float32",), dev
                                 causal_only=bool(causal_only), min_seq=min_seq, supports=supports,
                                 scale_arg=bool(scale_arg), deterministic=bool(deterministic),
                                 dropout_mask=dropout_mask, **features)
+        from flashcheck.impls.capabilities import check_witnesses
+
+        check_witnesses(record)  # needs the whole record: supports() and applies() judge the witness
         fn.__flashcheck__ = record
         if register:
             REGISTRY[name] = record

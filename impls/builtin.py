@@ -13,6 +13,7 @@ MODULES = (
     ("flashcheck.impls.triton_fused", ["triton-fused"]),
     ("flashcheck.impls.sdpa", ["sdpa-math", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn"]),
     ("flashcheck.impls.flex", ["flex"]),
+    ("flashcheck.impls.jax_attn", ["jax-xla", "jax-cudnn", "jax-pallas"]),
 )
 
 

@@ -92,3 +92,94 @@ def declared(impl: Implementation) -> str:
     if impl.known_issues:
         shown.append(f"{len(impl.known_issues)} known issue(s)")
     return ", ".join(shown) or "the defaults"
+
+
+def witness_case(impl: Implementation, issue):
+    """The case a known issue's witness names, judged by the implementation's own precision (and, for
+    a kernel with fixed ``tiles``, shown with them, as the strategies show its cases)."""
+    from flashcheck.strategies.case import AttentionCase
+
+    tiles = getattr(impl, "tiles", None)
+    own = dict(precision=impl.precision, **(dict(block_q=tiles[0], block_k=tiles[1]) if tiles else {}))
+    return AttentionCase(**{**own, **issue.witness})
+
+
+def _witness_fields(case, impl: Implementation) -> list[str]:
+    """Each way ``case`` lies outside ``impl``'s declarations, named by the declaration. These are
+    the limits strategies.draw.within fits a drawn case to (properties/test_plugins.py holds the
+    two to the same verdict)."""
+    i, out = impl, []
+    if case.dtype not in i.dtypes:
+        out.append(f"dtype {case.dtype!r} is not in dtypes={i.dtypes!r}")
+    if case.causal is None and i.causal_only:
+        out.append("causal is None, but it declares causal_only=True")
+    if case.causal is not None and case.causal not in i.causal:
+        out.append(f"causal {case.causal!r} is not in causal={i.causal!r}")
+    if not i.gqa and case.hkv != case.hq:
+        out.append(f"hkv={case.hkv} differs from hq={case.hq}, but it declares gqa=False")
+    for dim in ("d", "dv"):
+        if not i.head_dim_ok(getattr(case, dim)):
+            shown = sorted(i.head_dims) if isinstance(i.head_dims, frozenset) else i.head_dims
+            out.append(f"{dim}={getattr(case, dim)} is outside head_dims={shown!r}")
+    if i.equal_head_dims and case.d != case.dv:
+        out.append(f"d={case.d} and dv={case.dv} differ, but it declares equal_head_dims=True")
+    for n in ("sq", "sk"):
+        length = getattr(case, n)
+        if length % i.seq_multiple:
+            out.append(f"{n}={length} is not a multiple of seq_multiple={i.seq_multiple}")
+        if length < i.min_seq:
+            out.append(f"{n}={length} is below min_seq={i.min_seq}")
+        if i.max_seq is not None and length > i.max_seq:
+            out.append(f"{n}={length} is above max_seq={i.max_seq}")
+    if i.equal_lengths and case.sq != case.sk:
+        out.append(f"sq={case.sq} and sk={case.sk} differ, but it declares equal_lengths=True")
+    if not i.masked_rows and not case.visible().any(axis=1).all():
+        out.append("a query row sees no key, but it declares masked_rows=False")
+    tiles = getattr(i, "tiles", None)
+    if tiles and (case.block_q, case.block_k) != tuple(tiles):
+        out.append(f"block_q={case.block_q}, block_k={case.block_k} are not its tiles={tuple(tiles)!r}")
+    if isinstance(i.blocks, tuple):
+        out += [f"{b}={getattr(case, b)} is not in blocks={i.blocks!r}" for b in ("block_q", "block_k")
+                if getattr(case, b) not in i.blocks]
+    if not i.scale_arg and case.scale is not None:
+        out.append(f"scale={case.scale!r}, but it declares scale_arg=False (it always uses 1/sqrt(D))")
+    out += [f"{f} is on, but it does not declare {f}=True" for f in case.features if not getattr(i, f)]
+    if case.precision != i.precision:
+        out.append(f"precision={case.precision!r}, but it declares precision={i.precision!r}")
+    return out
+
+
+def check_witnesses(impl: Implementation) -> None:
+    """Refuse a known issue whose witness the implementation could never be asked to run: a witness
+    outside the declaration would be run as written, and its failure reported as "not as declared"."""
+    from flashcheck.impls import ContractError
+    from flashcheck.strategies.case import AttentionCase
+
+    known = set(AttentionCase.__dataclass_fields__)
+    for issue in impl.known_issues:
+        where = f"implementation {impl.name!r}: known issue {issue.text!r}"
+        if not isinstance(issue.witness, dict):
+            raise ContractError(f"{where}: witness must be a dict of AttentionCase fields, got {issue.witness!r}")
+        unknown = sorted(set(issue.witness) - known)
+        if unknown:
+            raise ContractError(f"{where}: its witness names {unknown}, which are not AttentionCase fields "
+                                f"({', '.join(sorted(known))})")
+        try:
+            case = witness_case(impl, issue)
+        except (TypeError, ValueError) as exc:
+            raise ContractError(f"{where}: its witness is not a valid case: {exc}") from exc
+        problems = _witness_fields(case, impl)
+        refused = None if problems else impl.unsupported(case)
+        if refused:
+            problems.append(f"its supports() refuses it: {refused}")
+        if not problems:
+            try:
+                applies = issue.applies(case)
+            except Exception as exc:  # noqa: BLE001  (a predicate that cannot judge its own witness)
+                raise ContractError(f"{where}: its applies() raised on its witness {case!r}: "
+                                    f"{type(exc).__name__}: {exc}") from exc
+            if not applies:
+                problems.append("the issue's own applies() is False there")
+        if problems:
+            raise ContractError(f"{where}: its witness {case!r} lies outside what {impl.name} declares: "
+                                + "; ".join(problems))

@@ -9,6 +9,14 @@ What FlexAttention cannot express is not declared: dropout (a score_mod has no r
 Sinks are not a FlexAttention feature; they are added exactly from the returned LSE,
 O' = O exp(LSE - LSE'), LSE' = logaddexp(LSE, sink), which needs gradients through the LSE,
 so they are declared where there is no backward to trust that path to (CPU).
+
+Compiled means compiled for every call (``Compiled``): dynamo's defaults would run eager flex,
+silently, once one function has been recompiled 8 times, and a suite that draws hundreds of
+shapes and feature combinations passes that in minutes. So the shapes are dynamic, the masks'
+offsets are tensors (a Python int in a mask_mod is a guard: one graph per value), the recompile
+limits are raised, and a call that ran no compiled graph raises ``RanEager`` instead of returning.
+Eager FlexAttention on CPU is deliberate: inductor compiles it there too, but its first compile
+takes about a minute on a 2-core machine.
 """
 from __future__ import annotations
 
@@ -35,22 +43,87 @@ _CUDA = torch.cuda.is_available()
 DTYPES = ("float16", "bfloat16", "float32") if _CUDA else ("float64", "float32", "float16", "bfloat16")
 
 
+# Far above what one run compiles (a graph per feature combination, dtype, head count and
+# alignment), and still finite: a guard that fails on every call ends in RanEager.
+RECOMPILE_LIMIT = 1024
+
+
+class RanEager(RuntimeError):
+    """A call of a ``Compiled`` function that did not run its compiled graph."""
+
+
+def _limits():
+    """dynamo's config patch: raised recompile limits, and an error where it would fall back to eager.
+    (Older torch spells them cache_size_limit, accumulated_cache_size_limit, fail_on_cache_limit_hit.)"""
+    cfg = torch._dynamo.config
+    settings = {("recompile_limit", "cache_size_limit"): RECOMPILE_LIMIT,
+                ("accumulated_recompile_limit", "accumulated_cache_size_limit"): RECOMPILE_LIMIT,
+                ("fail_on_recompile_limit_hit", "fail_on_cache_limit_hit"): True}
+    return cfg.patch(**{next(n for n in names if hasattr(cfg, n)): value for names, value in settings.items()})
+
+
+class Compiled:
+    """``fn`` under torch.compile (one graph, dynamic shapes), checked on every call: the backend
+    wraps each graph it compiles so that running it is counted, and a call that ran none (dynamo
+    skipped the frame, or fell back to eager) raises RanEager. ``backend`` is dynamo's name of the
+    compiler doing the work ("eager" lets the suite test this guard on CPU without inductor)."""
+
+    def __init__(self, fn, backend="inductor"):
+        self.name = getattr(fn, "__name__", "fn")
+        self.compiles = self.runs = 0  # graphs compiled, and calls that ran one
+        self.error = None  # the last error a call raised (a failed compile, say), for RanEager to name
+        self._backend = backend
+        self.fn = torch.compile(fn, backend=self._compile, dynamic=True, fullgraph=True)
+
+    def _compile(self, gm, example_inputs):
+        self.compiles += 1
+        graph = torch._dynamo.lookup_backend(self._backend)(gm, example_inputs)
+
+        @functools.wraps(graph)  # keeps what dynamo reads off a compiled graph (e.g. _boxed_call)
+        def counted(*args):
+            self.runs += 1
+            return graph(*args)
+
+        return counted
+
+    def __call__(self, *args, **kw):
+        before = self.runs
+        try:
+            with _limits():
+                out = self.fn(*args, **kw)
+        except Exception as exc:
+            self.error = exc
+            if "LimitHit" in type(exc).__name__:  # FailOnRecompileLimitHit (FailOnCacheLimitHit before 2.6)
+                raise RanEager(f"torch.compile'd {self.name} reached dynamo's recompile limit "
+                               f"({RECOMPILE_LIMIT}) and would have run eager: {exc}") from exc
+            raise
+        if self.runs == before:
+            earlier = "" if self.error is None else (f"; an earlier call raised {type(self.error).__name__}: "
+                                                     f"{str(self.error).strip()[:200]}")
+            raise RanEager(f"torch.compile'd {self.name} returned without running a compiled graph (dynamo "
+                           f"ran it eager); {self.compiles} graph(s) compiled so far{earlier}")
+        return out
+
+
 @functools.lru_cache(maxsize=1)
 def _compiled():
-    return torch.compile(flex_attention, dynamic=False)
+    return Compiled(flex_attention)
 
 
-def _mask_mod(sq, sk, align, window):
-    off, diag = offset(sq, sk, align), sk - sq
-    left, right = window
+def _mask_mod(sq, sk, align, window, device):
+    # The offsets are tensors: a captured Python int is a guard on its value, i.e. one compiled
+    # graph per (Sq, Sk) and window, where a captured tensor is one more input of the same graph.
+    off, diag, left, right = (torch.tensor(n, dtype=torch.int32, device=device)
+                              for n in (offset(sq, sk, align), sk - sq, *window))
+    left_on, right_on = window[0] >= 0, window[1] >= 0  # which sides bound: the graph's structure
 
     def mask(b, h, i, j):
         seen = j >= 0  # a tensor of True, whatever the mask below adds
         if align is not None:
             seen = seen & (j <= i + off)
-        if left >= 0:
+        if left_on:
             seen = seen & (j >= i + diag - left)
-        if right >= 0:
+        if right_on:
             seen = seen & (j <= i + diag + right)
         return seen
 
@@ -58,7 +131,9 @@ def _mask_mod(sq, sk, align, window):
 
 
 def _score_mod(sq, sk, softcap, slopes):
-    diag = sk - sq
+    # softcap stays a Python float, as users write it (dynamic=True makes it no guard); the
+    # ALiBi distance's offset is a tensor for the reason in _mask_mod
+    diag = None if slopes is None else torch.tensor(sk - sq, dtype=torch.int32, device=slopes.device)
 
     def score(s, b, h, i, j):
         if softcap:
@@ -70,8 +145,13 @@ def _score_mod(sq, sk, softcap, slopes):
     return score
 
 
+def _runner(q):
+    """Compiled FlexAttention on CUDA, eager on CPU (see the module's docstring)."""
+    return _compiled() if q.is_cuda else flex_attention
+
+
 def _flex(q, k, v, **kw):
-    run = _compiled() if q.is_cuda else flex_attention
+    run = _runner(q)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # eager mode warns that it is unfused: that is what we want on CPU
         if AuxRequest is not None:
@@ -94,7 +174,8 @@ def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0
     window = check_features(q, who=WHO, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
                             sinks=sinks) or (-1, -1)
     if align is not None or window != (-1, -1):
-        mask = create_block_mask(_mask_mod(sq, sk, align, window), None, None, sq, sk, device=q.device)
+        mask = create_block_mask(_mask_mod(sq, sk, align, window, q.device), None, None, sq, sk,
+                                 device=q.device)
     else:
         mask = None
     cdt = torch.float64 if q.dtype == torch.float64 else torch.float32  # the dtype flex computes scores in

@@ -4,7 +4,8 @@
   without a reason and no health-check error;
 - the same kernel with one ulp of run-to-run noise fails on determinism;
 - a property no case of which fits a kernel is skipped with the reason, a kernel whose answers
-  change between calls is named nondeterministic, and numeric verdicts come first.
+  change between calls is named nondeterministic, one whose first call raised (or failed to
+  compile) and whose retry returned is said to have done so, and numeric verdicts come first.
 """
 import re
 
@@ -19,7 +20,8 @@ FILES = ["properties/test_backward.py", "properties/test_bad_input.py", "propert
          "properties/test_invariance.py", "properties/test_known_issues.py"]
 EXAMPLES = {"sdpa-causal-only": "examples/sdpa_causal_only.py:attention",
             "strict": "examples/strict_plugin.py:attention"}
-UNTRUSTED = ["no_masked_positions", "causal_by_supports", "first_call_wrong", "causal_only_ulp_noise"]
+UNTRUSTED = ["no_masked_positions", "causal_by_supports", "first_call_wrong", "causal_only_ulp_noise",
+             "first_call_raises", "compiles_on_the_retry"]
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +34,7 @@ def untrusted():
     # Without the pins: a pin that fails is reported as it is; Hypothesis replays only generated cases.
     return harness.outcomes([f"mutants/untrusted.py:{k}" for k in UNTRUSTED], FILES[:1] + FILES[2:4],
                             "-k", "masked_positions and no-masked or permuting and causal-by or output_matches "
-                                  "and (first-call or ulp-noise) or bitwise and ulp-noise", pins=False)
+                                  "and (first-call or ulp-noise or compiles-on) or bitwise and ulp-noise", pins=False)
 
 
 def of(results, name):
@@ -89,3 +91,16 @@ def test_different_answers_to_one_input_are_reported_as_nondeterminism(untrusted
     results = of(untrusted[0], "first-call-wrong")
     outcome, message = results[next(t for t in results if "output_matches" in t)]
     assert outcome == "failure" and "race or nondeterminism" in message and "Flaky" not in message, message
+
+
+@pytest.mark.parametrize("name,said", [
+    ("first-call-raises", "first-call-raises raised RuntimeError on the first call and returned on the retry"
+                          ": an error that did not recur, not different results\n"
+                          "  the error: RuntimeError: first-call-raises: out of workspace memory"),
+    ("compiles-on-the-retry", "compiles-on-the-retry failed to compile on the first call and returned on the retry"),
+])
+def test_an_error_that_does_not_recur_is_reported_as_what_it_was_not_as_nondeterminism(untrusted, name, said):
+    results = of(untrusted[0], name)
+    outcome, message = results[next(t for t in results if "output_matches" in t)]
+    assert outcome == "failure" and said in message, (outcome, message)
+    assert "race or nondeterminism" not in message and "Flaky" not in message, message

@@ -5,9 +5,11 @@ The kernels are in mutants/untrusted.py; the properties are called here in proce
 one implementation each. What only a pytest run shows (skips, ordering, FlakyFailure turned
 into a message) is checked through pytest itself in mutants/test_examples.py.
 """
+import functools
 import re
 
 import pytest
+import torch
 from hypothesis.errors import UnsatisfiedAssumption
 
 from flashcheck import strategies as fs
@@ -41,11 +43,33 @@ def test_bad_input_starts_from_a_case_the_kernel_accepts():
         test_bad_input.test_malformed_shapes_raise_a_named_error(record(ut.checks_lengths_only), "batch")
 
 
-def test_a_triton_pointer_error_counts_as_a_device_refusal():
-    import re
+def cuda_only(refusal):
+    """A kernel declared for CUDA that runs on the meta device (the test's stand-in for CUDA on a CPU
+    machine) and meets CPU inputs with ``refusal`` raised, or, for None, with an answer."""
+    def attention(q, k, v, *, causal=False, scale=None):
+        if q.device.type != "meta" and refusal is not None:
+            raise RuntimeError(refusal)
+        return torch.zeros(q.shape[:3] + v.shape[-1:], device=q.device, dtype=q.dtype)
 
-    said = "Pointer argument (at 0) cannot be accessed from Triton (cpu tensor?)"
-    assert re.search(test_bad_input.DEVICE_WORDS, said)
+    return record(implementation(name="cuda-only", devices=("cuda",), dtypes=("float64",), register=False)(attention))
+
+
+@pytest.mark.parametrize("refusal", [
+    "Pointer argument (at 0) cannot be accessed from Triton (cpu tensor?)",  # Triton
+    "custom call not found for platform cpu",  # JAX's words (... not found for platform cpu)
+    "Only interpret mode is supported on CPU backend",  # Pallas
+    "something unrelated went wrong",  # a refusal all the same
+])
+def test_any_error_for_inputs_on_an_undeclared_device_counts_as_a_refusal(monkeypatch, refusal):
+    monkeypatch.setattr(call, "device_for", lambda impl: "meta")
+    test_bad_input.test_inputs_on_an_undeclared_device_are_refused(cuda_only(refusal))
+
+
+def test_an_answer_for_inputs_on_an_undeclared_device_fails(monkeypatch):
+    monkeypatch.setattr(call, "device_for", lambda impl: "meta")
+    with pytest.raises(pytest.fail.Exception, match=r"declares devices=\('cuda',\) but did not raise for inputs "
+                                                    r"on the cpu: it returned a result"):
+        test_bad_input.test_inputs_on_an_undeclared_device_are_refused(cuda_only(None))
 
 
 @pytest.mark.parametrize("check", [
@@ -79,6 +103,42 @@ def test_the_oracle_code_is_not_counted_as_tested_by_its_own_comparisons():
                  test_backward.test_gradients_match_analytic_float64):
         needs = [n for m in getattr(prop, "pytestmark", []) if m.name == "requires" for n in m.args]
         assert "independent" in needs, f"{prop.__name__} compares with the truth but runs on numpy-dense"
+
+
+def test_an_output_outside_the_visible_values_is_reported_with_its_entry_and_range():
+    # the bound is an array per entry: formatting it as one number raised TypeError, blamed on the kernel
+    with pytest.raises(AssertionError) as info:
+        test_forward.test_output_lies_within_the_visible_values(impl=record(ut.beyond_the_values))
+    said = str(info.value)
+    assert re.search(r"o\[[\d, ]+\] = \S+ lies outside \[min, max\] = \[\S+, \S+\] of the values its row sees, "
+                     r"by \S+ beyond the slack \S+; \d+ of \d+ entries outside", said), said
+    assert "case: AttentionCase(" in said, said
+
+
+def _raised(fn):
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001
+        return exc
+    raise AssertionError(f"{fn} did not raise")
+
+
+def test_an_error_of_the_suite_itself_is_not_blamed_on_the_kernel():
+    from flashcheck import report
+
+    impl = record(ut.not_implemented)
+    case = Case(sq=2, sk=2)
+    suite = _raised(lambda: report.check_entries(case, "no-such-result", None))  # raised in flashcheck/
+    kernel = _raised(lambda: ph.forward(impl, case))  # raised in the kernel's own file, through impls/call.py
+    # a kernel that is a library's own function: it raises from inside torch, with no frame of its own
+    sdpa = implementation(name="sdpa-itself", dtypes=("float64",), register=False)(
+        functools.partial(torch.nn.functional.scaled_dot_product_attention))
+    library = _raised(lambda: ph.forward(record(sdpa), case))  # TypeError: no causal= keyword
+    said = {name: report.Failure(impl, "test_x", case, exc, "").render(None).splitlines()[-1]
+            for name, exc in (("suite", suite), ("kernel", kernel), ("library", library))}
+    assert said["suite"].startswith("  flashcheck itself raised ") and "a bug in the suite" in said["suite"], said
+    assert said["kernel"].startswith("  not-implemented raised NotImplementedError"), said
+    assert said["library"].startswith("  not-implemented raised TypeError"), said
 
 
 def test_an_in_place_write_to_a_float64_input_is_seen():

@@ -47,15 +47,39 @@ def causal_by_supports(q, k, v, *, causal=False, scale=None):
 _SEEN: set = set()
 
 
+def _first_call(who, q, k, v, causal, scale) -> bool:
+    """True the first time ``who`` is called on this input, False after."""
+    key = hashlib.sha1(b"".join(x.detach().numpy().tobytes() for x in (q, k, v)) + repr((who, causal, scale)).encode())
+    first = key.hexdigest() not in _SEEN
+    _SEEN.add(key.hexdigest())
+    return first
+
+
 @_plugin("first-call-wrong")
 def first_call_wrong(q, k, v, *, causal=False, scale=None):
     """The first call on each input is off; later calls are right: a race, as a user meets it."""
     o = _sdpa(q, k, v, causal, scale)
-    key = hashlib.sha1(b"".join(x.detach().numpy().tobytes() for x in (q, k, v)) + repr((causal, scale)).encode())
-    if key.hexdigest() in _SEEN:
-        return o
-    _SEEN.add(key.hexdigest())
-    return o * 1.01
+    return o * 1.01 if _first_call("wrong", q, k, v, causal, scale) else o
+
+
+@_plugin("first-call-raises")
+def first_call_raises(q, k, v, *, causal=False, scale=None):
+    """The first call on each input raises; later calls return the right answer: not a race."""
+    if _first_call("raises", q, k, v, causal, scale):
+        raise RuntimeError("first-call-raises: out of workspace memory")
+    return _sdpa(q, k, v, causal, scale)
+
+
+class CompilationError(RuntimeError):
+    """Named as Triton's compiler names its errors."""
+
+
+@_plugin("compiles-on-the-retry")
+def compiles_on_the_retry(q, k, v, *, causal=False, scale=None):
+    """Fails to compile on the first call on each input and runs after (as compiled flex ran eager)."""
+    if _first_call("compile", q, k, v, causal, scale):
+        raise CompilationError("at 12:8: no valid configs for this shape")
+    return _sdpa(q, k, v, causal, scale)
 
 
 @_plugin("halves-q-in-place", backward=False, dtypes=("float64",))
@@ -76,6 +100,13 @@ def not_implemented(q, k, v, *, causal=False, scale=None):
 def nan_output(q, k, v, *, causal=False, scale=None):
     """NaN everywhere: the invariance properties must blame it, not the reference."""
     return torch.full_like(_sdpa(q, k, v, causal, scale), float("nan"))
+
+
+@_plugin("beyond-the-values", backward=False)
+def beyond_the_values(q, k, v, *, causal=False, scale=None):
+    """Every output one past the largest value: outside the range a convex combination can reach."""
+    o = _sdpa(q, k, v, causal, scale)
+    return o + (v.abs().amax() + 1).to(o.dtype)
 
 
 @_plugin("checks-lengths-only", min_seq=4, backward=False)

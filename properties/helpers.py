@@ -106,9 +106,40 @@ def repeat_differences(impl, case, calls: int = 2) -> list[str]:
     return lines
 
 
+COMPILERS = ("torch._dynamo", "torch._inductor", "triton.compiler")  # modules whose errors are compile failures
+
+
+def compile_failure(exc: BaseException) -> bool:
+    """Whether ``exc``, or an error it was raised from, is a compiler's: torch.compile's (dynamo,
+    inductor) or Triton's, or any error whose type calls itself one (CompilationError, ...)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        kind = type(exc)
+        if "Compil" in kind.__name__ or kind.__module__.startswith(COMPILERS):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _error_line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:300]}"
+
+
 def nondeterminism(impl, case, first: BaseException | None = None) -> str:
     """What to tell a user when one input gave different verdicts (Hypothesis's FlakyFailure):
-    the case, the largest difference between repeated calls, and how the failing call failed."""
+    the case, the largest difference between repeated calls, and how the failing call failed.
+    A first call that raised (rather than returned a wrong answer) is said as such: an error that
+    does not recur, or a compile that failed once, is no race."""
+    while isinstance(first, BaseExceptionGroup) and first.exceptions:
+        first = first.exceptions[0]
+    if first is not None and not isinstance(first, AssertionError):
+        compiling = compile_failure(first)
+        what = "failed to compile" if compiling else f"raised {type(first).__name__}"
+        why = ("; the retry may have run other code than the first call compiled (a cache, or an eager "
+               "fall-back)" if compiling else "")
+        return (f"{impl.name} {what} on the first call and returned on the retry: an error that did not recur, "
+                f"not different results{why}\n  the error: {_error_line(first)}\n  case: {case!r}")
     lines = repeat_differences(impl, case, calls=3)
     head = (f"{impl.name}: the same input gave different results on repeated calls "
             f"(a race or nondeterminism in the kernel)")

@@ -4,6 +4,7 @@ Eager FlexAttention is too slow on CPU for the whole property suite in CI (impls
 it slow there); ``pytest -m properties --impl flex`` runs every property on it.
 """
 import pytest
+import torch
 
 from flashcheck import oracle as orc
 from flashcheck import strategies as fs
@@ -34,3 +35,50 @@ def test_flex_on_cpu_matches_dense_float64(case):
     res = ph.forward(impl, case)
     orc.compare(case, "o", res.o, who="flex")
     orc.compare(case, "lse", res.lse, who="flex")
+
+
+# Compiled FlexAttention (CUDA) must run compiled on every call. What CPU can check of it runs here
+# through dynamo with its "eager" backend (inductor's first compile of flex takes about a minute on
+# CPU): the graphs dynamo captures, how many it recompiles, and the guard that fails a fall-back.
+# scratch/flex_gpu_check.py checks the same on a GPU, with inductor.
+SHAPES = [(2, 3), (4, 6), (7, 7), (9, 2), (17, 33), (5, 5), (6, 3), (8, 8), (10, 11), (12, 13)]
+
+
+def test_compiled_flex_runs_compiled_for_more_shapes_than_dynamo_s_default_recompile_limit(monkeypatch):
+    if flex._CUDA:
+        pytest.skip("on CUDA every flex property runs through the guard, compiled by inductor")
+    guard = flex.Compiled(flex.flex_attention, backend="eager")
+    monkeypatch.setattr(flex, "_runner", lambda q: guard)
+    impl = flex.attention.__flashcheck__
+    for sq, sk in SHAPES:  # more distinct shapes than dynamo's default limit of 8 recompiles
+        case = Case(hq=2, sq=sq, sk=sk, d=4, dv=4, causal="bottom_right", window=(3, -1), dtype="float32")
+        res = ph.forward(impl, case)
+        orc.compare(case, "o", res.o, who="compiled flex")
+    assert guard.runs == len(SHAPES), f"expected every call to run a compiled graph, got {guard.runs} of {len(SHAPES)}"
+    # one graph for every length: the masks' offsets are tensors and the shapes dynamic
+    assert guard.compiles <= 2, f"expected at most 2 graphs for {len(SHAPES)} lengths, got {guard.compiles}"
+
+
+def test_a_call_that_runs_no_compiled_graph_raises_instead_of_returning_eager_results():
+    guard = flex.Compiled(lambda x: x + 1, backend="eager")
+    assert guard(torch.ones(3)).tolist() == [2.0] * 3 and guard.runs == 1
+    guard.fn = lambda x: x + 1  # dynamo's silent fall-back, as torch runs it past the recompile limit
+    with pytest.raises(flex.RanEager, match="returned without running a compiled graph"):
+        guard(torch.ones(3))
+
+
+def test_reaching_dynamo_s_recompile_limit_raises_instead_of_running_eager(monkeypatch):
+    monkeypatch.setattr(flex, "RECOMPILE_LIMIT", 1)
+    guard = flex.Compiled(lambda x, word: x + len(word), backend="eager")  # a str argument: a graph per value
+    guard(torch.ones(1), "a")
+    with pytest.raises(flex.RanEager, match=r"reached dynamo's recompile limit \(1\) and would have run eager"):
+        guard(torch.ones(1), "bb")
+
+
+def test_the_limits_are_raised_and_a_hit_is_an_error_only_inside_a_compiled_call():
+    cfg = torch._dynamo.config
+    before = (cfg.recompile_limit, cfg.fail_on_recompile_limit_hit)
+    with flex._limits():
+        assert (cfg.recompile_limit, cfg.accumulated_recompile_limit, cfg.fail_on_recompile_limit_hit) == (
+            flex.RECOMPILE_LIMIT, flex.RECOMPILE_LIMIT, True), "expected the raised limits and a hard failure"
+    assert (cfg.recompile_limit, cfg.fail_on_recompile_limit_hit) == before, "the user's dynamo settings changed"

@@ -4,7 +4,7 @@ import re
 import pytest
 
 from flashcheck import oracle as orc
-from flashcheck import strategies as fs
+from flashcheck.impls import capabilities
 from flashcheck.properties import helpers as ph
 
 pytestmark = pytest.mark.properties
@@ -30,8 +30,8 @@ def test_each_known_issue_still_reproduces(impl):
     if not impl.known_issues:
         pytest.skip(f"{impl.name} declares no known issues")
     for issue in impl.known_issues:
-        case = fs.AttentionCase(**issue.witness)
-        assert issue.applies(case), f"{impl.name}: the witness of {issue.text!r} is outside its own predicate"
+        # inside the declaration and the issue's predicate: @implementation checked that (capabilities)
+        case = capabilities.witness_case(impl, issue)
         found = failures(impl, case)
         if not found:
             pytest.fail(f"{impl.name}: known issue {issue.text!r} no longer reproduces on {case!r}; "

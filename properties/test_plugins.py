@@ -101,6 +101,91 @@ def test_a_malformed_declaration_is_refused_with_its_reason(kw, words):
         implementation(**{"name": "x", **kw}, register=False)(lambda q, k, v, **_: q)
 
 
+def _issue(witness, applies=lambda c: True):
+    return KnownIssue("x", applies, witness, failure="nan")
+
+
+# (declaration, witness, words naming the declaration the witness breaks)
+OUTSIDE = [
+    (dict(dtypes=("float32",)), dict(), r"dtype 'float64' is not in dtypes=\('float32',\)"),
+    (dict(causal="top_left"), dict(causal="bottom_right"), r"causal 'bottom_right' is not in causal="),
+    (dict(causal_only=True), dict(causal=None), "causal_only"),
+    (dict(gqa=False), dict(hq=2, hkv=1), "gqa=False"),
+    (dict(head_dims=(16, 128)), dict(d=16, dv=8), r"dv=8 is outside head_dims=\(16, 128\)"),
+    (dict(head_dims={16, 32}), dict(d=24, dv=16), r"d=24 is outside head_dims=\[16, 32\]"),
+    (dict(equal_head_dims=True), dict(d=2, dv=3), "equal_head_dims"),
+    (dict(seq_multiple=16), dict(sq=16, sk=20), "sk=20 is not a multiple of seq_multiple=16"),
+    (dict(min_seq=2), dict(sq=1, sk=2), "sq=1 is below min_seq=2"),
+    (dict(max_seq=8), dict(sk=9), "sk=9 is above max_seq=8"),
+    (dict(equal_lengths=True), dict(sq=2, sk=3), "equal_lengths"),
+    (dict(masked_rows=False), dict(sq=3, sk=1, causal="bottom_right"), "masked_rows=False"),
+    (dict(blocks=(32, 64)), dict(block_q=32), r"block_k=16 is not in blocks=\(32, 64\)"),
+    (dict(scale_arg=False), dict(scale=0.0), "scale_arg=False"),
+    (dict(), dict(softcap=1e6), "softcap is on, but it does not declare softcap=True"),
+    (dict(precision="naive"), dict(precision="fused"), "precision='fused', but it declares precision='naive'"),
+    (dict(supports=lambda c: c.sk > 1 or "one key is not supported"), dict(), "one key is not supported"),
+    (dict(), dict(seq=3), r"names \['seq'\], which are not AttentionCase fields"),
+    (dict(), dict(hq=3, hkv=2), "not a valid case: hq"),
+]
+
+
+@pytest.mark.parametrize("kw,witness,words", OUTSIDE, ids=[w for _, _, w in OUTSIDE])
+def test_a_known_issue_whose_witness_lies_outside_the_declaration_is_refused_naming_it(kw, witness, words):
+    with pytest.raises(ContractError, match=words) as info:
+        implementation(name="x", **{"dtypes": ("float64",), **kw}, known_issues=[_issue(witness)],
+                       register=False)(lambda q, k, v, **_: q)
+    assert "known issue 'x': its witness" in str(info.value), str(info.value)
+
+
+def test_a_known_issue_whose_witness_its_own_predicate_rejects_is_refused():
+    with pytest.raises(ContractError, match=r"applies\(\) is False"):
+        implementation(name="x", dtypes=("float64",), known_issues=[_issue(dict(sk=2), applies=lambda c: c.sk == 1)],
+                       register=False)(lambda q, k, v, **_: q)
+
+
+def test_a_known_issue_whose_predicate_raises_on_its_witness_is_refused():
+    with pytest.raises(ContractError, match=r"its applies\(\) raised on its witness .*ZeroDivisionError"):
+        implementation(name="x", dtypes=("float64",), known_issues=[_issue(dict(), applies=lambda c: 1 / 0)],
+                       register=False)(lambda q, k, v, **_: q)
+
+
+def test_a_witness_inside_the_declaration_loads_and_is_judged_by_the_kernel_s_precision():
+    from flashcheck.impls import capabilities
+
+    record = implementation(name="x", dtypes=("float16",), causal="top_left", head_dims=(8, 8), precision="naive",
+                            softcap=True, known_issues=[_issue(dict(d=8, dv=8, dtype="float16", softcap=2.0))],
+                            register=False)(lambda q, k, v, **_: q).__flashcheck__
+    case = capabilities.witness_case(record, record.known_issues[0])
+    assert case.precision == "naive" and case.softcap == 2.0, case
+
+
+AGREE = [d for d in {repr(d): d for d, _, _ in OUTSIDE if "supports" not in d}.values()]
+
+
+@pytest.mark.parametrize("kw", AGREE, ids=[repr(d) for d in AGREE])
+def test_the_witness_check_and_the_strategies_agree_on_what_lies_inside_a_declaration(kw):
+    """Two readings of one declaration: a case passes the witness check exactly when fitting leaves it as it is."""
+    from itertools import product
+
+    from flashcheck.impls import capabilities
+    from flashcheck.strategies import AttentionCase, draw
+
+    record = implementation(name="x", **{"dtypes": ("float64",), **kw}, register=False)(lambda q, k, v, **_: q)
+    record = record.__flashcheck__
+    grid = product(((1, 1), (3, 1), (16, 20), (16, 16)), ((16, 16), (24, 8), (2, 3)), (1, 2),
+                   (None, "bottom_right", "top_left"))
+    verdicts = set()
+    for n, ((sq, sk), (d, dv), hkv, causal) in enumerate(grid):  # the other fields alternate along the grid
+        block = (16, 32)[n % 2]
+        case = AttentionCase(sq=sq, sk=sk, d=d, dv=dv, hq=2, hkv=hkv, causal=causal, block_q=block, block_k=block,
+                             scale=(None, 0.0)[n // 2 % 2], dtype=("float64", "float32")[n // 4 % 2],
+                             softcap=(0.0, 1e6)[n // 8 % 2], precision=record.precision)
+        inside = not capabilities._witness_fields(case, record)
+        assert inside == (draw.within(record, case) == case), (kw, case, capabilities._witness_fields(case, record))
+        verdicts.add(inside)
+    assert verdicts == {True, False}, f"the grid met only one verdict for {kw}: it tests nothing there"
+
+
 def test_a_plugin_declaring_nothing_runs_with_the_defaults():
     @implementation(name="bare", register=False)
     def bare(q, k, v, *, causal=False, scale=None):

@@ -13,6 +13,7 @@ import time
 from hypothesis import currently_in_test_context, note, reject, settings
 from hypothesis import strategies as st
 
+from flashcheck.strategies import buckets
 from flashcheck.strategies.case import REGIMES, AttentionCase
 from flashcheck.strategies.features import feature_fields, fit_features
 
@@ -35,7 +36,7 @@ BLOCKS = (1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 64, 128)
 
 
 def block_sizes():
-    return st.sampled_from(BLOCKS)
+    return buckets.block_sizes() if buckets.active(_profile()) else st.sampled_from(BLOCKS)
 
 
 def _profile() -> str:
@@ -99,6 +100,8 @@ def cases(draw, *, dtypes=None, causal=None, regimes=REGIMES, masked_rows=False,
     # properties (two runs and two truths per case, or many dropout seeds) stay short
     if half and not (masked_rows or masked_keys or equal_lengths or features) and draw(LONG_ODDS, label="long"):
         return draw(long_cases(half, causal, regimes))
+    if buckets.active(_profile()):  # the gpu lane: shapes from a small set per run (strategies/buckets.py)
+        return draw(buckets.cases(dtypes, causal, regimes, masked_rows, masked_keys, equal_lengths, features))
     batch = draw(st.integers(1, lim["batch"]), label="batch")
     hkv = draw(st.integers(1, lim["heads"]), label="hkv")
     hq = hkv * draw(st.integers(1, lim["heads"]), label="group")
@@ -147,6 +150,8 @@ def long_cases(draw, dtypes, causal=None, regimes=REGIMES):
     """Long sequences in half precision, at small batch x heads x head dim: rounding that grows
     with length (O or dV accumulated in the input type, an unnormalized running sum) shows only
     here, and the float64 truth stays cheap."""
+    if buckets.active(_profile()):
+        return draw(buckets.long_cases(dtypes, causal, regimes))
     top = limits()["long"]
     edges = st.sampled_from(sorted({top // 2 - 1, top // 2, top // 2 + 1, top - 1, top}))
     sk = draw(st.integers(2, top) | edges, label="long sk")

@@ -1,0 +1,121 @@
+"""Examples per second of the gpu lane, shape buckets off and on, side by side in one run.
+
+    python bench/gpu_lane_speed.py --out DIR [--window 240] [--seed 1]
+
+Starts eight pytest processes at once (the gpu lane's ``-n 8``, without needing pytest-xdist):
+triton-fused and examples/triton_autotuned.py, each with FLASHCHECK_SHAPE_BUCKETS=0 (every draw
+a new shape, as before the buckets) and =1, each over two halves of the kernel properties
+(test_forward + test_backward, test_invariance + test_features). Every process runs the gpu
+profile from one --hypothesis-seed and one bucket seed, with its own example database, and each
+(implementation, buckets) pair its own empty Triton cache, so that no pair reuses another's
+compiles. A process still running after --window seconds is stopped; the examples it finished
+count (FLASHCHECK_TIMING_LOG, flashcheck/timing.py). Prints one row per pair: tests finished,
+examples, seconds, examples per second, Triton JIT seconds, failures; then the speed-ups. Logs
+and the JSON lines go to DIR. The whole run takes the window plus about a minute.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+IMPLS = {"triton-fused": "triton-fused", "triton-autotuned": str(ROOT / "examples" / "triton_autotuned.py") + ":attention"}
+HALVES = (("properties/test_forward.py", "properties/test_backward.py"),
+          ("properties/test_invariance.py", "properties/test_features.py"))
+
+
+def launch(impl, spec, buckets, half, files, args, out: Path, caches: Path):
+    name = f"{impl}-buckets{buckets}-part{half}"
+    env = dict(os.environ, FLASHCHECK_PROFILE=args.profile, FLASHCHECK_SHAPE_BUCKETS=str(buckets),
+               FLASHCHECK_BUCKET_SEED=str(args.seed), FLASHCHECK_TIMING_LOG=str(out / f"{name}.jsonl"),
+               FLASHCHECK_DB=str(caches / f"db-{name}"), TRITON_CACHE_DIR=str(caches / f"triton-{impl}-{buckets}"))
+    env.pop("FLASHCHECK_IMPL", None)
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist", "-p", "no:randomly", "-q",
+           "--impl", spec, f"--hypothesis-seed={args.seed}", *files]
+    log = open(out / f"{name}.log", "w")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return dict(name=name, impl=impl, buckets=buckets, proc=proc, log=log, start=time.time(), end=None,
+                stopped=False)
+
+
+def wait(runs, window):
+    deadline = time.time() + window
+    while any(r["end"] is None for r in runs):
+        for r in runs:
+            if r["end"] is None and r["proc"].poll() is not None:
+                r["end"] = time.time()
+        if time.time() > deadline:
+            for r in runs:
+                if r["end"] is None:
+                    os.killpg(r["proc"].pid, signal.SIGKILL)  # pytest and any compile workers it started
+                    r["proc"].wait()
+                    r["end"], r["stopped"] = time.time(), True
+        time.sleep(1)
+    for r in runs:
+        r["log"].close()
+
+
+def summarize(runs, out: Path):
+    pairs = {}
+    for r in runs:
+        p = pairs.setdefault((r["impl"], r["buckets"]), dict(tests=0, examples=0, seconds=0.0, jit=0.0, failed=0,
+                                                             stopped=0))
+        records = []
+        path = out / f"{r['name']}.jsonl"
+        if path.exists():
+            records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        examples = [x for x in records if x["kind"] == "example"]
+        tests = [x for x in records if x["kind"] == "test"]
+        p["examples"] += len(examples)
+        p["tests"] += len(tests)
+        # the processes ran at once: the pair's time is that of its longer half
+        p["seconds"] = max(p["seconds"], r["end"] - r["start"])
+        done = {t["test"] for t in tests}
+        p["jit"] += sum(t["jit"] or 0.0 for t in tests)
+        last = {}  # an unfinished test's compiles, as far as its last example
+        for x in examples:
+            if x["test"] not in done:
+                last[x["test"]] = x["jit"]
+        p["jit"] += sum(last.values())
+        p["failed"] += sum(t["outcome"] == "failed" for t in tests)
+        p["stopped"] += r["stopped"]
+    lines = [f"{'implementation':18} {'buckets':7} {'tests':>5} {'examples':>8} {'seconds':>7} {'ex/s':>6} "
+             f"{'jit s':>7} {'failed':>6}  stopped"]
+    for (impl, b), p in sorted(pairs.items()):
+        p["rate"] = p["examples"] / p["seconds"] if p["seconds"] else 0.0
+        lines.append(f"{impl:18} {'on' if b else 'off':7} {p['tests']:5d} {p['examples']:8d} {p['seconds']:7.0f} "
+                     f"{p['rate']:6.2f} {p['jit']:7.0f} {p['failed']:6d}  {p['stopped']} of 2 halves at the window")
+    for impl in IMPLS:
+        off, on = pairs.get((impl, 0)), pairs.get((impl, 1))
+        if off and on and off["rate"]:
+            lines.append(f"{impl}: buckets on give {on['rate'] / off['rate']:.1f}x the examples per second")
+    (out / "speed.json").write_text(json.dumps({f"{i} buckets={b}": p for (i, b), p in pairs.items()}, indent=1))
+    return lines
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ROOT / "scratch" / "lane_speed")))
+    ap.add_argument("--window", type=float, default=240.0, help="seconds before unfinished processes are stopped")
+    ap.add_argument("--seed", type=int, default=1, help="--hypothesis-seed and FLASHCHECK_BUCKET_SEED of every process")
+    ap.add_argument("--profile", default="gpu", help="Hypothesis profile (ci tries the script on a CPU machine)")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="lane-speed-") as tmp:
+        runs = [launch(impl, spec, b, h, files, args, args.out, Path(tmp))
+                for impl, spec in IMPLS.items() for b in (0, 1) for h, files in enumerate(HALVES)]
+        wait(runs, args.window)
+    lines = summarize(runs, args.out)
+    print("\n".join(lines))
+    (args.out / "speed.txt").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,207 @@
+"""Where a run's time goes: wall time, compile time and examples per test, as a terminal summary.
+
+Registered by the pytest plugin (flashcheck/plugin.py). Per test it measures:
+
+- wall: the call phase, as pytest's own ``--durations`` does;
+- jit: seconds in Triton's JIT compiling (or loading from its disk cache) kernels it had not
+  yet built in this process, between Triton's ``jit_cache_hook`` and ``jit_post_compile_hook``
+  (Triton >= 3.4; "-" where they do not exist or nothing ran on Triton's JIT);
+- torch.compile: seconds dynamo and inductor spent compiling (``torch._dynamo.utils``);
+- examples: test cases that ran to a verdict (Hypothesis's rejected draws left out), counted by
+  wrapping the test's ``hypothesis.inner_test``, the hook Hypothesis offers plug-ins.
+
+The table prints in the gpu profile, or wherever FLASHCHECK_TIMING=1 (FLASHCHECK_TIMING=0
+silences it). FLASHCHECK_TIMING_LOG=PATH also appends one JSON line per finished example and
+per finished test, from every xdist worker, so that a run stopped by a timeout still tells how
+far it got (scratch/gpu_lane_speed.py reads it).
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+import time
+
+import pytest
+
+ENV, LOG_ENV = "FLASHCHECK_TIMING", "FLASHCHECK_TIMING_LOG"
+SHOWN = 15  # slowest tests in the table
+_KEY = "flashcheck_timing"  # the user property a test's numbers travel in (through xdist too)
+
+
+class Clock:
+    """Compile seconds so far in this process: Triton's JIT (through its hooks) and torch.compile."""
+
+    def __init__(self):
+        self.jit_s = 0.0
+        self.jit_n = 0
+        self.hooked = False  # looked for Triton's hooks
+        self.timing = False  # and found them: the jit column is measured
+        self._started = None
+
+    def hook_triton(self):
+        """Chain onto Triton's compile hooks once triton is imported (never importing it here)."""
+        if self.hooked or "triton" not in sys.modules:
+            return
+        self.hooked = True
+        runtime = getattr(getattr(sys.modules["triton"], "knobs", None), "runtime", None)
+        if runtime is None or not hasattr(runtime, "jit_post_compile_hook"):
+            return  # Triton < 3.4, or the interpreter's stub: the jit column stays "-"
+        before, after = runtime.jit_cache_hook, runtime.jit_post_compile_hook
+
+        def on_miss(*args, **kwargs):  # a kernel not built yet in this process: compile (or disk-load) starts
+            self._started = time.perf_counter()
+            return before(*args, **kwargs) if before else None  # a true value would skip the compile
+
+        def on_built(*args, **kwargs):
+            if self._started is not None:
+                self.jit_s += time.perf_counter() - self._started
+                self.jit_n += 1
+                self._started = None
+            return after(*args, **kwargs) if after else None
+
+        runtime.jit_cache_hook, runtime.jit_post_compile_hook = on_miss, on_built
+        self.timing = True
+
+    @staticmethod
+    def torch_compile_s() -> float:
+        dynamo = sys.modules.get("torch._dynamo.utils")
+        if dynamo is None or not hasattr(dynamo, "calculate_time_spent"):
+            return 0.0
+        try:
+            return float(dynamo.calculate_time_spent().get("total_wall_time", 0.0))
+        except Exception:  # a private API: its absence must never fail a test
+            return 0.0
+
+    def now(self) -> tuple[float, int, float]:
+        return self.jit_s, self.jit_n, self.torch_compile_s()
+
+
+class Timing:
+    """The pytest plugin object (one per process; the xdist controller only collects and prints)."""
+
+    def __init__(self, config, show: bool, profile: str):
+        self.config = config
+        self.show = show
+        self.profile = profile
+        self.clock = Clock()
+        self.rows: list[dict] = []
+        self.log = os.environ.get(LOG_ENV)
+
+    def _write(self, record: dict):
+        if self.log:
+            with open(self.log, "a") as f:  # one short line per append: safe across worker processes
+                f.write(json.dumps(record) + "\n")
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_call(self, item):
+        self.clock.hook_triton()
+        hyp = getattr(getattr(item, "obj", None), "hypothesis", None)
+        inner = getattr(hyp, "inner_test", None)
+        start, begun = self.clock.now(), time.perf_counter()
+        counted = [0]
+        if inner is not None:
+            from hypothesis.errors import UnsatisfiedAssumption
+
+            def verdict():  # one more example ran to a verdict
+                counted[0] += 1
+                if self.log:
+                    self._write(dict(kind="example", test=item.nodeid, impl=_impl_name(item), at=time.time(),
+                                     t=time.perf_counter() - begun, jit=self.clock.jit_s - start[0]))
+
+            @functools.wraps(inner)
+            def counting(*args, **kwargs):
+                try:
+                    out = inner(*args, **kwargs)
+                except UnsatisfiedAssumption:  # a rejected draw: no example
+                    raise
+                except BaseException:
+                    verdict()
+                    raise
+                verdict()
+                return out
+
+            hyp.inner_test = counting
+        try:
+            return (yield)
+        finally:
+            if inner is not None:
+                hyp.inner_test = inner
+            self.clock.hook_triton()  # a plug-in may import triton only on its first call
+            end = self.clock.now()
+            item.user_properties.append((_KEY, dict(
+                impl=_impl_name(item), examples=counted[0] if inner is not None else None,
+                jit=end[0] - start[0] if self.clock.timing else None,
+                compiles=end[1] - start[1], torch_compile=end[2] - start[2])))
+
+    def pytest_runtest_logreport(self, report):
+        if report.when != "call":
+            return
+        numbers = dict(report.user_properties).get(_KEY)
+        if numbers is None:
+            return
+        row = dict(test=report.nodeid, wall=report.duration, outcome=report.outcome, **numbers)
+        self.rows.append(row)
+        if not hasattr(self.config, "workerinput"):  # the controller (or a run without xdist) writes it once
+            self._write(dict(kind="test", at=time.time(), **row))
+
+    def pytest_terminal_summary(self, terminalreporter):
+        if self.show and self.rows:
+            from flashcheck.strategies import buckets
+
+            lines = table(self.rows)
+            if buckets.active(self.profile.split("-")[0]):
+                lines.insert(2, "  " + buckets.describe())
+            for line in lines:
+                terminalreporter.write_line(line)
+
+
+def _impl_name(item) -> str:
+    impl = getattr(getattr(item, "callspec", None), "params", {}).get("impl")
+    return getattr(impl, "name", "")
+
+
+def _s(x) -> str:
+    return "-" if x is None else f"{x:.1f}"
+
+
+def table(rows: list[dict], shown: int = SHOWN) -> list[str]:
+    """The summary: the slowest tests, then the totals per implementation."""
+    out = ["", f"flashcheck timing (slowest {min(shown, len(rows))} of {len(rows)} tests; jit = Triton's JIT "
+               "compiles, torch.compile = dynamo + inductor)",
+           f"{'wall s':>8} {'jit s':>7} {'compiles':>8} {'torch.compile s':>15} {'examples':>8} {'ex/s':>6}  test"]
+    for r in sorted(rows, key=lambda r: -r["wall"])[:shown]:
+        out.append(f"{r['wall']:8.1f} {_s(r['jit']):>7} {r['compiles']:8d} {_s(r['torch_compile'] or None):>15} "
+                   f"{'-' if r['examples'] is None else r['examples']:>8} {_rate(r['examples'], r['wall']):>6}  "
+                   f"{r['test']}")
+    totals: dict[str, dict] = {}
+    for r in rows:
+        t = totals.setdefault(r["impl"] or "(no implementation)",
+                              dict(wall=0.0, jit=None, compiles=0, torch_compile=0.0, examples=0, tests=0))
+        t["wall"] += r["wall"]
+        t["compiles"] += r["compiles"]
+        t["torch_compile"] += r["torch_compile"]
+        t["examples"] += r["examples"] or 0
+        t["tests"] += 1
+        if r["jit"] is not None:
+            t["jit"] = (t["jit"] or 0.0) + r["jit"]
+    out.append("per implementation (sums over its tests):")
+    for name, t in sorted(totals.items(), key=lambda kv: -kv[1]["wall"]):
+        out.append(f"{t['wall']:8.1f} {_s(t['jit']):>7} {t['compiles']:8d} {_s(t['torch_compile'] or None):>15} "
+                   f"{t['examples']:8d} {_rate(t['examples'], t['wall']):>6}  {name} ({t['tests']} tests)")
+    return out
+
+
+def _rate(examples, wall) -> str:
+    return "-" if not examples or wall <= 0 else f"{examples / wall:.2f}"
+
+
+def register(config, profile: str):
+    """Called by the plugin's pytest_configure once the Hypothesis profile is known."""
+    switch = os.environ.get(ENV, "")
+    if switch not in ("", "0", "1"):
+        raise pytest.UsageError(f"{ENV} must be 0 (no timing table) or 1 (print it), got {switch!r}")
+    show = switch == "1" or (switch == "" and profile.split("-")[0] == "gpu")
+    if show or os.environ.get(LOG_ENV):
+        config.pluginmanager.register(Timing(config, show, profile), "flashcheck-timing")

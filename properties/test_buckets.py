@@ -1,0 +1,120 @@
+"""The gpu lane's shape buckets (strategies/buckets.py): a bounded set per run, the boundary shapes in
+every set, shrinking to the plainest shape, and no change at all to the CPU profiles' draws."""
+import pytest
+from hypothesis import HealthCheck, find, given, settings
+
+from flashcheck import strategies as fs
+from flashcheck.strategies import buckets
+
+pytestmark = pytest.mark.properties
+
+SAMPLE = settings(max_examples=50, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
+LIM = dict(batch=3, heads=4, seq=300, dim=256, long=2048)  # the gpu profile's limits
+DIMS = tuple(x for x in fs.draw.DIMS if x <= LIM["dim"])
+
+
+@pytest.fixture
+def on(monkeypatch):
+    """Buckets on in whatever profile runs, from a fixed seed."""
+    monkeypatch.setenv(buckets.ENV, "1")
+    monkeypatch.setenv(buckets.SEED_ENV, "7")
+    return buckets.run_shapes()
+
+
+def _shape_of(case):
+    return buckets.Shape(case.batch, case.hkv, case.hq // case.hkv, case.sq, case.sk, case.d, case.dv,
+                         case.block_q, case.block_k)
+
+
+@pytest.mark.parametrize("kind", ["plain", "masked_rows", "masked_keys", "equal_lengths", "features", "long"])
+def test_every_drawn_shape_comes_from_the_runs_set(on, kind):
+    kwargs = {"plain": {}, "long": dict(dtypes=("float16",)), "features": dict(features=fs.FEATURES)}.get(
+        kind, {kind: True})
+    allowed = set(on) | set(buckets.run_long_shapes())
+    drawn = []
+
+    @SAMPLE
+    @given(fs.cases(**kwargs))
+    def collect(case):
+        assert _shape_of(case) in allowed, f"expected a shape of the run's set, drew {case!r}"
+        assert buckets.RELATIONS.get(kind, buckets.RELATIONS["any"])(_shape_of(case)), (
+            f"expected a {kind} shape, drew {case!r}")
+        drawn.append(case)
+
+    collect()
+    assert len({_shape_of(c) for c in drawn}) > 1, "expected several shapes of the set, drew one"
+    if kind == "long":
+        assert any(_shape_of(c) in buckets.run_long_shapes() for c in drawn), "expected the long region, drew none"
+    # what the buckets leave free still varies: scales, seeds, regimes
+    for field in ("scale", "seed", "regime"):
+        assert len({getattr(c, field) for c in drawn}) > 2, f"expected {field} to vary, got one value"
+
+
+def test_a_second_tiling_uses_the_block_sizes_of_the_runs_shapes(on):
+    blocks = buckets.block_values(on)
+
+    @SAMPLE
+    @given(fs.draw.block_sizes())
+    def second(block):
+        assert block in blocks, f"expected a block size among {blocks}, drew {block}"
+
+    second()
+
+
+@pytest.mark.parametrize("run_seed", range(6))
+def test_every_set_holds_the_boundary_shapes_within_the_limits(run_seed):
+    shapes = buckets.shapes(run_seed, tuple(sorted(LIM.items())), fs.draw.BLOCKS, DIMS)
+    assert set(buckets._boundary(LIM)) <= set(shapes)
+    assert len(shapes) == len(buckets._boundary(LIM)) + buckets.RANDOM_SHAPES
+    assert list(shapes) == sorted(shapes, key=buckets.Shape.plainness), "expected the plainest shape first"
+    assert shapes[0] == buckets.Shape(1, 1, 1, 1, 1, 1, 1, 16, 16)
+    for s in shapes:
+        assert 1 <= min(s.sq, s.sk) and max(s.sq, s.sk) <= LIM["seq"], f"length past the limit: {s}"
+        assert max(s.d, s.dv) <= LIM["dim"] and s.batch <= LIM["batch"] and max(s.hkv, s.group) <= LIM["heads"], s
+    for relation in ("masked_rows", "masked_keys", "equal_lengths"):
+        assert sum(map(buckets.RELATIONS[relation], shapes)) >= 2, f"expected two {relation} shapes at least"
+
+
+def test_other_seeds_give_other_sets():
+    sets = {buckets.shapes(s, tuple(sorted(LIM.items())), fs.draw.BLOCKS, DIMS) for s in range(5)}
+    assert len(sets) == 5, "expected five seeds to give five sets"
+
+
+def test_shrinking_reaches_the_plainest_shape_that_fails(on):
+    found = find(fs.cases(), lambda c: c.sq > 20, settings=SAMPLE)
+    want = next(s for s in on if s.sq > 20)
+    assert _shape_of(found) == want, f"expected the plainest shape with Sq > 20, {want}, got {found!r}"
+    assert (found.scale, found.seed, found.regime, found.causal) == (None, 0, "plain", None), found
+
+
+def test_the_cpu_profiles_never_reach_the_buckets(monkeypatch):
+    monkeypatch.delenv(buckets.ENV, raising=False)
+    assert not any(buckets.active(p) for p in ("default", "ci", "thorough"))
+    assert buckets.active("gpu")
+    monkeypatch.setenv(buckets.ENV, "0")
+    assert not buckets.active("gpu")
+
+    def refuse():
+        raise AssertionError("a CPU profile drew from the buckets")
+
+    monkeypatch.setenv(buckets.ENV, "")
+    monkeypatch.setattr(buckets, "run_shapes", refuse)
+    monkeypatch.setattr(buckets, "run_long_shapes", refuse)
+    SAMPLE(given(fs.cases(), fs.draw.block_sizes())(lambda case, block: None))()
+
+
+def test_a_malformed_switch_is_refused_with_its_name(monkeypatch):
+    monkeypatch.setenv(buckets.ENV, "yes")
+    with pytest.raises(ValueError, match=buckets.ENV):
+        buckets.active("gpu")
+
+
+def test_the_seed_is_chosen_once_and_kept(monkeypatch):
+    monkeypatch.delenv(buckets.SEED_ENV, raising=False)
+    buckets.choose_seed(None)
+    assert buckets.seed() == 0, "expected the same set in every run without a seed"
+    monkeypatch.delenv(buckets.SEED_ENV)
+    buckets.choose_seed(1234)
+    assert buckets.seed() == 1234
+    buckets.choose_seed(99)  # a worker inherits the controller's choice
+    assert buckets.seed() == 1234

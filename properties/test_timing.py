@@ -1,0 +1,66 @@
+"""The timing summary (flashcheck/timing.py): wall, compile and examples per test, and its log."""
+import json
+import sys
+import types
+
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from flashcheck import timing
+
+pytestmark = pytest.mark.properties
+
+
+def test_examples_are_counted_per_test_and_logged(tmp_path, monkeypatch):
+    """The plugin's hooks driven by hand on a Hypothesis test that rejects every other draw."""
+    log = tmp_path / "timing.jsonl"
+    monkeypatch.setenv(timing.LOG_ENV, str(log))
+    monkeypatch.delitem(sys.modules, "triton", raising=False)  # no JIT here: its column reads "-"
+
+    @settings(max_examples=20, database=None, derandomize=True)
+    @given(st.integers(0, 100))
+    def prop(n):
+        assume(n % 2)
+
+    config = types.SimpleNamespace()  # no workerinput: the process that writes test records
+    plugin = timing.Timing(config, show=True, profile="ci")
+    impl = types.SimpleNamespace(name="my-kernel")
+    item = types.SimpleNamespace(obj=prop, nodeid="t.py::prop[my-kernel]", user_properties=[],
+                                 callspec=types.SimpleNamespace(params={"impl": impl}))
+    original = prop.hypothesis.inner_test
+    call = plugin.pytest_runtest_call(item)
+    next(call)
+    prop()
+    with pytest.raises(StopIteration):
+        call.send(None)
+    report = types.SimpleNamespace(when="call", nodeid=item.nodeid, duration=2.0, outcome="passed",
+                                   user_properties=item.user_properties)
+    plugin.pytest_runtest_logreport(report)
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    examples = [r for r in records if r["kind"] == "example"]
+    (test,) = [r for r in records if r["kind"] == "test"]
+    assert test["examples"] == len(examples) == 20, f"expected 20 examples that ran, logged {examples}, got {test}"
+    assert test["impl"] == "my-kernel" and test["wall"] == 2.0 and test["jit"] is None, test
+    row = next(line for line in timing.table(plugin.rows) if line.endswith(item.nodeid))
+    assert row.split()[:6] == ["2.0", "-", "0", "-", "20", "10.00"], f"expected wall 2.0 and 20 examples, got {row!r}"
+    assert prop.hypothesis.inner_test is original, "expected the test's own inner_test back after the call"
+
+
+def test_triton_compile_hooks_are_timed_and_chained(monkeypatch):
+    seen = []
+    runtime = types.SimpleNamespace(jit_cache_hook=lambda **kw: seen.append("cache") or "skip?",
+                                    jit_post_compile_hook=lambda **kw: seen.append("post"))
+    monkeypatch.setitem(sys.modules, "triton", types.SimpleNamespace(knobs=types.SimpleNamespace(runtime=runtime)))
+    clock = timing.Clock()
+    clock.hook_triton()
+    assert runtime.jit_cache_hook(key=1) == "skip?", "the earlier hook's answer must be passed on"
+    runtime.jit_post_compile_hook(key=1)
+    runtime.jit_post_compile_hook(key=2)  # a post hook with no start (an inductor kernel): not counted
+    assert seen == ["cache", "post", "post"] and clock.jit_n == 1 and clock.jit_s >= 0, (seen, clock.jit_n)
+
+
+def test_a_malformed_switch_is_refused_with_its_name(monkeypatch):
+    monkeypatch.setenv(timing.ENV, "on")
+    with pytest.raises(pytest.UsageError, match=timing.ENV):
+        timing.register(None, "gpu")

@@ -1,0 +1,249 @@
+"""Shape buckets: in the gpu lane, every case takes its shape from a small set fixed for the run.
+
+A Triton kernel compiles once per set of compile-time values it sees: its constexprs (block
+sizes, padded head dims, flags) and, for plain int arguments, whether each one is 1, a
+multiple of 16 or neither. Kernels written as many third-party ones are (lengths and head
+dims as constexprs, ``@triton.autotune`` keyed on them) compile and benchmark again for every
+new length. Drawn freely, nearly every example of the gpu lane meets a new shape and pays
+seconds of compiling for milliseconds of kernel. Here the shape of a case (batch, heads,
+lengths, head dims and block sizes, as one tuple) comes instead from a set of about a dozen
+shapes chosen once per run and shared by every property, so each compiled kernel serves
+many examples. The values, seeds, scales, regimes, dtypes, causal flags and features of a
+case are drawn as freely as ever.
+
+The set always holds the boundary shapes (one query and one key, lengths one either side of
+a block, Sq > Sk and Sk > Sq, unequal head dims, exact multiples, a large non-multiple one)
+and adds shapes drawn from a seeded generator, so that runs with other seeds cover other
+shapes. It is sorted plainest first: ``sampled_from`` shrinks towards its first element, so a
+failure still shrinks to the smallest shape in the set that shows it.
+
+- On in the ``gpu`` profile; FLASHCHECK_SHAPE_BUCKETS=0 turns it off there (the draws are then
+  those of every other profile), =1 turns it on in any profile.
+- FLASHCHECK_BUCKET_SEED=N picks the set. Unset, the pytest plugin takes ``--hypothesis-seed``, else
+  0, and hands it to its xdist workers through this variable.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import random
+import zlib
+from dataclasses import astuple, dataclass
+
+from hypothesis import strategies as st
+
+ENV = "FLASHCHECK_SHAPE_BUCKETS"
+SEED_ENV = "FLASHCHECK_BUCKET_SEED"
+# Drawn per run, on top of the boundary shapes. Every shape is one more compile per kernel, dtype
+# and set of flags: a dozen in all keeps most examples on kernels already built.
+RANDOM_SHAPES = 5
+LONG_SHAPES = 4  # shapes of the long region (one half-precision draw in eight)
+TILES = (16, 32, 64, 128)  # block sizes real kernels use: lengths one either side of them
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The compile-relevant part of a case."""
+
+    batch: int
+    hkv: int
+    group: int  # query heads per key/value head
+    sq: int
+    sk: int
+    d: int
+    dv: int
+    block_q: int
+    block_k: int
+
+    @property
+    def fields(self) -> dict:
+        """The AttentionCase fields this shape fixes."""
+        return dict(batch=self.batch, hq=self.hkv * self.group, hkv=self.hkv, sq=self.sq, sk=self.sk, d=self.d,
+                    dv=self.dv, block_q=self.block_q, block_k=self.block_k)
+
+    def plainness(self):
+        """Sort key, plainest first: the work a case of this shape takes, then its fields."""
+        return (self.batch * self.hkv * self.group * self.sq * self.sk * max(self.d, self.dv), astuple(self))
+
+
+def active(profile: str) -> bool:
+    """Whether cases drawn under ``profile`` take their shapes from the buckets."""
+    switch = os.environ.get(ENV, "")
+    if switch not in ("", "0", "1"):
+        raise ValueError(f"{ENV} must be 0 (off) or 1 (on), got {switch!r}")
+    return switch == "1" or (switch == "" and profile == "gpu")
+
+
+def seed() -> int:
+    """The run's bucket seed (FLASHCHECK_BUCKET_SEED; the plugin sets it once per run)."""
+    value = os.environ.get(SEED_ENV, "0")
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{SEED_ENV} must be an integer, got {value!r}") from None
+
+
+def _clip(n: int, top: int) -> int:
+    return min(max(n, 1), top)
+
+
+def _length(rng: random.Random, block: int, top: int) -> int:
+    """One length, from the same families the free draws use: anywhere, at a block boundary
+    (one and two blocks, +-1), one either side of a common tile, or in the upper range."""
+    family = rng.randrange(4)
+    if family == 0:
+        return rng.randint(1, top)
+    if family == 1:
+        return _clip(rng.choice((1, 2)) * block + rng.choice((-1, 0, 1)), top)
+    if family == 2:
+        return _clip(rng.choice(TILES) + rng.choice((-1, 1)), top)
+    return rng.randint(max(1, top // 4), top)
+
+
+def _dim(rng: random.Random, dims) -> int:
+    return rng.randint(1, 8) if rng.random() < 0.5 else rng.choice(dims)
+
+
+def _boundary(lim: dict) -> list[Shape]:
+    """Shapes every run holds. Which lengths are drawn with which flags stays free."""
+    top, dim, heads, batch = lim["seq"], lim["dim"], lim["heads"], lim["batch"]
+    c, dmax = functools.partial(_clip, top=top), functools.partial(_clip, top=dim)
+    return [
+        Shape(1, 1, 1, 1, 1, 1, 1, 16, 16),  # one query, one key: where a shrink ends
+        Shape(1, 1, 1, c(2), 1, dmax(8), dmax(8), 16, 16),  # Sq > Sk by one: a masked row when bottom-right
+        Shape(1, 1, 2, 1, c(17), dmax(16), dmax(16), 16, 16),  # Sk > Sq: keys nobody sees when top-left
+        Shape(1, 1, min(2, heads), c(15), c(17), dmax(5), dmax(7), 16, 16),  # block - 1, block + 1; GQA; Dv != D
+        Shape(1, min(2, heads), 1, c(33), c(31), dmax(32), dmax(32), 32, 16),  # Sq > Sk, two tiles +- 1
+        Shape(min(2, batch), 1, 1, c(64), c(64), dmax(64), dmax(64), 64, 64),  # exact multiples, batch 2
+        Shape(min(2, batch), 1, min(3, heads), c(top - 3), c(top - 1), dmax(100), dmax(100), 128, 64),  # large
+    ]
+
+
+@functools.lru_cache(maxsize=8)
+def shapes(run_seed: int, lim_items: tuple, blocks: tuple, dims: tuple) -> tuple[Shape, ...]:
+    """The run's shapes, plainest first (``lim_items``: the profile's limits as sorted items)."""
+    lim = dict(lim_items)
+    rng = random.Random(run_seed)
+    top = lim["seq"]
+    found = set(_boundary(lim))
+    while len(found) < len(_boundary(lim)) + RANDOM_SHAPES:
+        block_q, block_k = rng.choice(blocks), rng.choice(blocks)
+        sk = _length(rng, block_k, top)
+        # a third of them square (the properties of equal lengths draw only from those)
+        sq = sk if rng.random() < 1 / 3 else _length(rng, block_q, top)
+        d = _dim(rng, dims)
+        dv = d if rng.random() < 0.5 else _dim(rng, dims)
+        found.add(Shape(rng.randint(1, lim["batch"]), rng.randint(1, lim["heads"]), rng.randint(1, lim["heads"]),
+                        sq, sk, d, dv, block_q, block_k))
+    return tuple(sorted(found, key=Shape.plainness))
+
+
+@functools.lru_cache(maxsize=8)
+def long_shapes(run_seed: int, top: int, dims: tuple, blocks: tuple) -> tuple[Shape, ...]:
+    """The long region's shapes (batch 1, few heads, small head dims, as its free draws)."""
+    rng = random.Random(run_seed + 1)
+    found = {Shape(1, 1, 1, top, top, 8, 8, 64, 64), Shape(1, 1, 2, 17, top // 2 + 1, 16, 16, 128, 32)}
+    while len(found) < LONG_SHAPES:
+        sk = rng.randint(2, top) if rng.random() < 0.5 else rng.choice((top // 2 - 1, top // 2 + 1, top - 1))
+        sq = rng.choice((sk, 1, 17, rng.randint(2, top)))
+        d = rng.choice(dims)
+        found.add(Shape(1, rng.randint(1, 2), rng.randint(1, 2), sq, sk, d, d, rng.choice(blocks), rng.choice(blocks)))
+    return tuple(sorted(found, key=Shape.plainness))
+
+
+RELATIONS = {
+    "any": lambda s: True,
+    "masked_rows": lambda s: s.sq > s.sk,  # drawn bottom-right: the first Sq - Sk rows see no key
+    "masked_keys": lambda s: s.sk > s.sq,  # drawn top-left: keys past the last query are seen by nobody
+    "equal_lengths": lambda s: s.sq == s.sk,
+}
+
+
+def shape_strategy(candidates: tuple[Shape, ...], relation: str = "any"):
+    """One shape of the run's set that satisfies ``relation``, plainest first."""
+    return st.sampled_from([s for s in candidates if RELATIONS[relation](s)])
+
+
+def block_values(candidates: tuple[Shape, ...]) -> tuple[int, ...]:
+    """The block sizes the run's shapes use (for properties that draw a second tiling)."""
+    return tuple(sorted({b for s in candidates for b in (s.block_q, s.block_k)}))
+
+
+def run_shapes() -> tuple[Shape, ...]:
+    """This run's shapes under the current profile's limits."""
+    from flashcheck.strategies import draw as fs_draw
+
+    lim = fs_draw.limits()
+    return shapes(seed(), tuple(sorted(lim.items())), fs_draw.BLOCKS, tuple(x for x in fs_draw.DIMS if x <= lim["dim"]))
+
+
+def run_long_shapes() -> tuple[Shape, ...]:
+    from flashcheck.strategies import draw as fs_draw
+
+    return long_shapes(seed(), fs_draw.limits()["long"], (8, 16, 4, 32, 1, 5), (16, 32, 64, 128))
+
+
+def block_sizes():
+    """A block size among those of the run's shapes."""
+    return st.deferred(lambda: st.sampled_from(block_values(run_shapes())))
+
+
+def _causal(draw, causal):
+    return None if causal == "none" else causal or draw(st.sampled_from((None, "bottom_right", "top_left")),
+                                                        label="causal")
+
+
+@st.composite
+def cases(draw, dtypes, causal=None, regimes=None, masked_rows=False, masked_keys=False, equal_lengths=False,
+          features=()):
+    """draw.cases() with the shape from the run's set; everything else drawn as there."""
+    from flashcheck.strategies.case import AttentionCase
+    from flashcheck.strategies.draw import SCALES, limits
+    from flashcheck.strategies.features import feature_fields
+
+    relation = ("masked_rows" if masked_rows else "masked_keys" if masked_keys
+                else "equal_lengths" if equal_lengths else "any")
+    shape = draw(shape_strategy(run_shapes(), relation), label="shape bucket")
+    align = "bottom_right" if masked_rows else "top_left" if masked_keys else _causal(draw, causal)
+    scale = draw(st.one_of(st.sampled_from(SCALES), st.floats(0.01, 4.0)), label="scale")
+    dtype = draw(st.sampled_from(dtypes), label="dtype")
+    regime = draw(st.sampled_from(regimes), label="regime")
+    seed_ = draw(st.integers(0, 2**32 - 1), label="seed")
+    f = shape.fields
+    extra = draw(feature_fields(features, batch=f["batch"], hq=f["hq"], seq=limits()["seq"])) if features else {}
+    return AttentionCase(**f, causal=align, scale=scale, dtype=dtype, regime=regime, seed=seed_, **extra)
+
+
+@st.composite
+def long_cases(draw, dtypes, causal=None, regimes=None):
+    """draw.long_cases() with the shape from the run's long set."""
+    from flashcheck.strategies.case import AttentionCase
+    from flashcheck.strategies.draw import SCALES
+
+    shape = draw(shape_strategy(run_long_shapes()), label="long shape bucket")
+    return AttentionCase(**shape.fields, causal=_causal(draw, causal),
+                         scale=draw(st.sampled_from(SCALES), label="scale"),
+                         dtype=draw(st.sampled_from(dtypes), label="dtype"),
+                         regime=draw(st.sampled_from(regimes), label="regime"),
+                         seed=draw(st.integers(0, 2**32 - 1), label="seed"))
+
+
+def choose_seed(hypothesis_seed=None) -> None:
+    """Fix the run's seed in the environment, which xdist's workers inherit, so that every
+    process draws from one set: FLASHCHECK_BUCKET_SEED when set, else ``--hypothesis-seed``,
+    else 0. A fixed default keeps the set the same from run to run, so that a failure saved in
+    the example database replays as the same case, and a Triton cache kept between runs holds
+    every kernel the next run needs; a nightly job varies the seed to visit other shapes."""
+    if os.environ.get(SEED_ENV):
+        return
+    value = 0
+    if hypothesis_seed is not None:
+        text = str(hypothesis_seed)
+        value = int(text) if text.lstrip("-").isdigit() else zlib.crc32(text.encode())
+    os.environ[SEED_ENV] = str(value)
+
+
+def describe() -> str:
+    """One line on the run's set, for the timing summary."""
+    return (f"shapes from {len(run_shapes())} buckets (+{len(run_long_shapes())} long), "
+            f"{SEED_ENV}={seed()} draws the same set again")
