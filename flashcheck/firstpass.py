@@ -78,15 +78,15 @@ SETTINGS = "_hypothesis_internal_use_settings"  # where @given keeps a test's se
 @contextlib.contextmanager
 def one_example(test, pinned: bool):
     """The test's own settings with no shrinking and no database, and either its pins only (fit()
-    lets one coverage pin through) or, for a property without pins, one generated example."""
+    lets one coverage pin through) or, for a property without pins (or a run without them), one
+    generated example."""
     from hypothesis import Phase, settings
 
     own = getattr(test, SETTINGS, None)
     if own is None:  # a Hypothesis that keeps them elsewhere: the first pass has nothing to change
         raise _Unchanged
-    phase = Phase.explicit if pinned else Phase.generate
-    setattr(test, SETTINGS, settings(own, max_examples=1, database=None, derandomize=True,
-                                     phases=[phase] if phase in own.phases else []))
+    phase = Phase.explicit if pinned and Phase.explicit in own.phases else Phase.generate  # pins may be off
+    setattr(test, SETTINGS, settings(own, max_examples=1, database=None, derandomize=True, phases=[phase]))
     try:
         yield
     finally:
@@ -102,9 +102,12 @@ def run(session, impl_of, setup, teardown) -> str:
     return the line that says what the first pass found."""
     start = time.perf_counter()
     failing = []
+    stop = session.config.option.maxfail  # under -x the run ends at its first failure: so does this pass
     for item in candidates(session.items, impl_of):
         if fails_at_once(item, impl_of(item), setup, teardown):
             failing.append(item)
+            if stop and len(failing) >= stop:
+                break
     if not failing:
         return ""
     first = set(map(id, failing))

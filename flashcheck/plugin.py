@@ -15,7 +15,9 @@
   declarations, or not run on them, is a PinNotAsWritten warning (in a plug-in run, only for the
   pins of the user's own tests: the suite's pins are refitted to every kernel by design).
 - Numeric properties run before the ``input_validation`` ones, so a kernel that validates
-  nothing does not stop an ``-x`` run before its numbers were checked.
+  nothing does not stop an ``-x`` run before its numbers were checked. In a plug-in run, those
+  that fail on a first case (flashcheck.firstpass) run before the others.
+- FLASHCHECK_PROPERTY_SECONDS gives each property a time budget (a night sized by time).
 - A failing kernel property prints a short report (flashcheck.report) and writes a reproducer.
 - Nothing tested is a failure: an implementation for a device this machine lacks stops the
   run at once, and a run whose every kernel property was skipped fails; ``--allow-skip`` opts out.

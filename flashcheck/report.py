@@ -138,7 +138,10 @@ class Failure:
         else:
             text = plain_numbers(str(err)).strip().splitlines()
             head = text[0] if text else ""
-            own = isinstance(err, AssertionError) or type(err).__module__.startswith(("_pytest", "pytest"))
+            # a property's verdict: an assertion, or pytest's own (pytest.raises' "DID NOT RAISE", whose
+            # class says it lives in builtins)
+            own = isinstance(err, (AssertionError, pytest_failed())) or type(err).__module__.startswith(
+                ("_pytest", "pytest"))
             what = head if own else (f"flashcheck itself raised {type(err).__name__}: {head} (a bug in the suite, "
                                      f"not a verdict on {impl.name})" if suite_raised(err)
                                      else f"{impl.name} raised {type(err).__name__}: {head}")
@@ -168,6 +171,12 @@ class Text:
 
 
 SUITE_IN_IMPLS = ("__init__.py", "capabilities.py", "rounding.py")  # impls/ holds kernels, and these
+
+
+def pytest_failed() -> type:
+    import pytest
+
+    return pytest.fail.Exception
 
 
 def suite_raised(exc: BaseException) -> bool:

@@ -296,6 +296,18 @@ def test_the_case_shows_block_sizes_at_their_defaults_for_a_kernel_that_takes_or
             f"{declared}: expected the 16x16 blocks in the case, got {text[1]}")
 
 
+def test_a_kernel_that_does_not_raise_on_bad_input_is_the_verdict_not_a_bug_in_the_suite():
+    from flashcheck.report import Failure
+
+    try:
+        with pytest.raises(ValueError):
+            pass  # the kernel returned on a malformed input
+    except pytest.fail.Exception as exc:
+        error = exc
+    text = Failure(_torch_kernel(lambda q, k, v, **_: q), "test_x", None, error, "", params="rank").render(None)
+    assert text.splitlines()[1] == "  DID NOT RAISE <class 'ValueError'>", text
+
+
 def test_numpy_scalar_reprs_in_a_message_read_as_plain_numbers():
     from flashcheck.report import plain_numbers
 

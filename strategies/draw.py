@@ -100,7 +100,9 @@ def cases(draw, *, dtypes=None, causal=None, regimes=REGIMES, masked_rows=False,
     # properties (two runs and two truths per case, or many dropout seeds) stay short
     if half and not (masked_rows or masked_keys or equal_lengths or features) and draw(LONG_ODDS, label="long"):
         return draw(long_cases(half, causal, regimes))
-    if buckets.active(_profile()):  # the gpu lane: shapes from a small set per run (strategies/buckets.py)
+    # the gpu lane: shapes from a small set per run (strategies/buckets.py); a kernel's declared tiles
+    # need the lengths around them instead
+    if buckets.active(_profile()) and not fixed_tiles():
         return draw(buckets.cases(dtypes, causal, regimes, masked_rows, masked_keys, equal_lengths, features))
     batch = draw(st.integers(1, lim["batch"]), label="batch")
     hkv = draw(st.integers(1, lim["heads"]), label="hkv")
