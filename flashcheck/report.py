@@ -30,6 +30,11 @@ from flashcheck.strategies.case import CASE_PATTERN
 RESULTS = ("o", "lse", "dq", "dk", "dv", "dsinks")
 MAP_WIDTH = 96  # characters of a row/key map before positions are grouped
 
+try:
+    BaseExceptionGroup
+except NameError:  # Python 3.10: Hypothesis depends on the backport there
+    from exceptiongroup import BaseExceptionGroup
+
 
 def case_code(case: AttentionCase, impl) -> str:
     """The case as code (its repr leaves out fields at their defaults). Block sizes are always
