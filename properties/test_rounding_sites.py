@@ -63,13 +63,17 @@ def test_every_rounding_site_passes_under_the_declaration_that_admits_it(dtype):
                 assert_admitted(case, sites, tf32, what)
 
 
+LONG = {"fused", "P normalized first", "dP rounded to t", "TF32 truncated, P normalized first (XLA)", "every site"}
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 def test_every_rounding_site_passes_on_long_rows(dtype):
-    """Lengths in the hundreds, where coherent errors outgrow independent ones."""
-    for regime in ("plain", "equal", "dominant", "heavy"):
+    """Lengths in the hundreds, where coherent errors outgrow independent ones: the sites whose
+    errors a whole row or key shares, in the regimes where they pile up."""
+    for regime in ("plain", "equal", "heavy"):
         case = next(c for i, c in enumerate(op.draw_cases(dtype, regime, 4)) if i == 3)
         for what, sites, tf32 in VARIANTS:
-            if not tf32 or dtype == "float32":
+            if what in LONG and (not tf32 or dtype == "float32"):
                 assert_admitted(case, sites, tf32, what)
 
 
