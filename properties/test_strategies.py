@@ -115,7 +115,7 @@ def _declared():
                             scale_arg=False, supports=lambda c: c.hq <= 2 or "at most two heads",
                             register=False)(lambda q, k, v, **_: q)
     return [*builtins(), load("examples/sdpa_causal_only.py:attention"), load("examples/strict_plugin.py:attention"),
-            narrow.__flashcheck__]
+            load("mutants/fixed_tiles.py:correct"), narrow.__flashcheck__]
 
 
 @given(st.data())
@@ -127,6 +127,7 @@ def test_fit_is_idempotent_and_stays_within_declarations(data):
     assert case.causal is None or case.causal in impl.causal
     if isinstance(impl.blocks, tuple):
         assert case.block_q in impl.blocks and case.block_k in impl.blocks
+    assert impl.tiles is None or (case.block_q, case.block_k) == impl.tiles, f"{impl.name} runs its tiles: {case!r}"
     assert case.causal is not None or not impl.causal_only, f"{impl.name} is causal_only, drew {case!r}"
     assert impl.head_dim_ok(case.d) and impl.head_dim_ok(case.dv), f"{impl.name}: head dims of {case!r}"
     for n in (case.sq, case.sk):
