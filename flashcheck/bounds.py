@@ -107,7 +107,8 @@ def rounding_bounds(case, pt, dscores, half_spacing) -> dict:
     # rounds the same relative amount.
     # An error x in the exponent moves P by expm1(x) relative: past x ~ 0.1 no longer x (large
     # logits in bfloat16 with pre-scaled operands reach x > 1).
-    rho = np.where(vis, u_p + u_in + 2 * u_tr + np.expm1(score_worst + pre + lse_worst), 0.0)
+    x = score_worst + pre + lse_worst
+    rho = np.where(vis, u_p + u_in + 2 * u_tr + np.where(x > 1e-2, np.expm1(x), x), 0.0)
     rho_var = np.where(vis, VAR * (u_p ** 2 + u_in ** 2) + score_var + lse_var, 0.0)
     sub = np.where(vis, sub, 0.0)
     w = p * rho + sub  # bound on the error of p_ij
@@ -146,7 +147,7 @@ def rounding_bounds(case, pt, dscores, half_spacing) -> dict:
     # LSE = m + log(sum_j exp(s_j - m)) from float32 P: only the scores' errors and the sums.
     # Equal scores (identical keys) carry equal errors: the LSE's are taken as fully aligned.
     out["lse"] = _bound((p * score_worst).sum(-1), (p * np.sqrt(score_var)).sum(-1) ** 2,
-                        acc(sk) + 3 * u_acc * np.abs(lse[..., 0]) + (p * pre).sum(-1))
+                        acc(sk) + u_acc * np.abs(lse[..., 0]) + (p * pre).sum(-1))
     # dV_j = sum_i P_ij dO_i over the rows of every head of the group.
     pdo = _swap(p) @ ado
     dv_coh = acc(rows) * pdo.sum(2) + (_swap(wp) @ ado).sum(2)
@@ -170,7 +171,7 @@ def rounding_bounds(case, pt, dscores, half_spacing) -> dict:
     dp_mag = ado @ _swap(av)
     # The kernel's P is at most p (1 + rho): where rho is large (pre-scaled operands at large logits)
     # the errors that P multiplies grow with it.
-    p_hi = p * (1 + rho)
+    p_hi = p * (1 + np.where(rho > 1e-2, rho, 0.0))  # (below 1%: second order, left out as before)
     dp_err = p_hi * (acc(dv) * dp_mag + u_dp * np.abs(dp))
     if u_tr:
         dp_err = dp_err + p_hi * _trunc_mean(dp, dp_mag, u_tr)
