@@ -7,6 +7,19 @@ def dtype_name(x) -> str:
     return str(x.dtype).removeprefix("torch.")
 
 
+def check_tensors(q, k, v, *, devices, who: str):
+    """q, k, v are torch tensors on one device, of a type ``devices`` names ("cpu", "cuda")."""
+    import torch
+
+    for label, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{who}: {label} must be a torch.Tensor, got {type(x).__name__}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"{who}: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if q.device.type not in devices:
+        raise ValueError(f"{who}: unsupported device {q.device}; supported: {', '.join(devices)}")
+
+
 def check_inputs(q, k, v, *, dtypes, who: str):
     """Validate q, k, v against docs/design.md's layout; return (B, Hq, Hkv, Sq, Sk, D, Dv)."""
     for label, x in (("q", q), ("k", k), ("v", v)):

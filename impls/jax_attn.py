@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from flashcheck.impls import KnownIssue, implementation
-from flashcheck.impls.checks import alignment, check_inputs
+from flashcheck.impls.checks import alignment, check_inputs, check_tensors
 
 # JAX grabs 75% of the GPU's memory at its first CUDA call unless told not to, which would
 # starve torch and the suite's other kernels in the same process.
@@ -137,13 +137,7 @@ def _register(name, core, *, devices, dtypes, gqa, lse, head_dims, precision, kn
     who = name
 
     def attention(q, k, v, *, causal=False, scale=None):
-        for label, x in (("q", q), ("k", k), ("v", v)):
-            if not isinstance(x, torch.Tensor):
-                raise TypeError(f"{who}: {label} must be a torch.Tensor, got {type(x).__name__}")
-        if not (q.device == k.device == v.device):
-            raise ValueError(f"{who}: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-        if q.device.type not in devices:
-            raise ValueError(f"{who}: unsupported device {q.device}; supported: {', '.join(devices)}")
+        check_tensors(q, k, v, devices=devices, who=who)
         _, hq, hkv, _, _, d, dv = check_inputs(q, k, v, dtypes=dtypes, who=who)
         if hq != hkv and not gqa:
             raise ValueError(f"{who}: no GQA; Hq must equal Hkv, got {hq} and {hkv}")

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from flashcheck.impls import KnownIssue, implementation
-from flashcheck.impls.checks import alignment, check_features, check_inputs
+from flashcheck.impls.checks import alignment, check_features, check_inputs, check_tensors
 
 try:
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -150,13 +150,7 @@ def _register(name, backend, *, devices, dtypes, gqa=HAS_GQA, head_dims=(1, 256)
     who = name
 
     def attention(q, k, v, *, causal=False, scale=None, window=None, alibi_slopes=None):
-        for label, x in (("q", q), ("k", k), ("v", v)):
-            if not isinstance(x, torch.Tensor):
-                raise TypeError(f"{who}: {label} must be a torch.Tensor, got {type(x).__name__}")
-        if not (q.device == k.device == v.device):
-            raise ValueError(f"{who}: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-        if q.device.type not in devices:
-            raise ValueError(f"{who}: unsupported device {q.device}; supported: {', '.join(devices)}")
+        check_tensors(q, k, v, devices=devices, who=who)
         _, hq, hkv, _, _, d, dv = check_inputs(q, k, v, dtypes=dtypes, who=who)
         if hq != hkv and not gqa:
             raise ValueError(f"{who}: no GQA here (torch {torch.__version__}); Hq must equal Hkv, got {hq} and {hkv}")
