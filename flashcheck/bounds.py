@@ -131,16 +131,20 @@ def rounding_bounds(case, pt, dscores, half_spacing) -> dict:
     w2_p = p * p * VAR * u_p ** 2
     w2_rest = w2 - w2_p
     sd_row = np.sqrt(w2_p) * big_row  # the largest group's shared error
-    wp = p * np.expm1(pre + (p * pre).sum(-1, keepdims=True))  # the pre-scaled operands' share, coherent
+    shared = bool(pre.any())  # pre-scaled or truncated operands: their coherent terms (else all zero)
+    wp = p * np.expm1(pre + (p * pre).sum(-1, keepdims=True)) if shared else 0.0  # their share of w
     out = {}
     # O: sum_j p_ij (1 + e_ij) v_j normalized by the exact sum (error sum_j p_ij e_ij v_j), or by
     # the sum of the rounded terms (error sum_j p_ij e_ij (v_j - O_i)); a kernel may do either.
     o_worst = w @ av + ao * w.sum(-1, keepdims=True)
     w2r = w2_rest + w2_p * np.where(big_row, 1, n_row)
-    o_var = np.maximum(w2r @ (v * v) + (sd_row @ v) ** 2,
-                       w2r @ (v * v) - 2 * o * (w2r @ v) + o * o * w2r.sum(-1, keepdims=True)
-                       + (sd_row @ v - o * sd_row.sum(-1, keepdims=True)) ** 2)
-    o_coh = acc(sk) * (p @ av + ao) + wp @ av + ao * wp.sum(-1, keepdims=True)
+    o_var = np.maximum(w2r @ (v * v), w2r @ (v * v) - 2 * o * (w2r @ v) + o * o * w2r.sum(-1, keepdims=True))
+    if big_row.any():
+        sdv = sd_row @ v
+        o_var = np.maximum(w2r @ (v * v) + sdv ** 2, o_var + (sdv - o * sd_row.sum(-1, keepdims=True)) ** 2)
+    o_coh = acc(sk) * (p @ av + ao)
+    if shared:
+        o_coh = o_coh + wp @ av + ao * wp.sum(-1, keepdims=True)
     if u_tr:
         o_coh = o_coh + _trunc_mean(o, p @ av, u_tr)
     out["o"] = _bound(o_worst, o_var, o_coh)
@@ -150,7 +154,7 @@ def rounding_bounds(case, pt, dscores, half_spacing) -> dict:
                         acc(sk) + u_acc * np.abs(lse[..., 0]) + (p * pre).sum(-1))
     # dV_j = sum_i P_ij dO_i over the rows of every head of the group.
     pdo = _swap(p) @ ado
-    dv_coh = acc(rows) * pdo.sum(2) + (_swap(wp) @ ado).sum(2)
+    dv_coh = acc(rows) * pdo.sum(2) + ((_swap(wp) @ ado).sum(2) if shared else 0.0)
     if u_tr:
         dv_coh = dv_coh + _trunc_mean((_swap(p) @ do).sum(2), pdo.sum(2), u_tr)
     out["dv"] = _bound((_swap(w) @ ado).sum(2), (_swap(w2_rest + w2_p * n_col) @ (ado * ado)).sum(2), dv_coh)
@@ -194,16 +198,17 @@ def rounding_bounds(case, pt, dscores, half_spacing) -> dict:
     sub_sc = sub / sc if sc > 0 else sub
     ones = np.ones_like(aq)
     q_sub = (_swap(a_ds * sub_sc) @ ones).sum(2), (_swap(ds * ds * sub_sc * sub_sc / 3) @ ones).sum(2)
-    ds_pre = a_ds * np.expm1(pre + (p * pre).sum(-1, keepdims=True))  # dS's share of the pre-scaled operands' coherent error
-    # The pre-scaled operand is also a factor of dQ (K') or dK (Q'): its rounding, u_t, once more.
-    ds_pre = ds_pre + u_pre * p_hi * np.abs(dp_minus_d)
     # D's error enters dQ through the kernel's P K, which differs from P K by up to (p rho) |K|.
-    # D's error enters dQ through the kernel's P K, which differs from P K by up to (p rho) |K|; the
-    # coherent part of O's error (pre-scaled operands) reaches D coherently too.
-    d_pre = (ado * (wp @ av + ao * wp.sum(-1, keepdims=True))).sum(-1, keepdims=True)
-    dq_coh = (acc(sk) * (a_ds @ ak) + e_row * ak.max(-2, keepdims=True, initial=0) + ds_pre @ ak
-              + d_worst * ((p * rho) @ ak) + d_pre * (pk + (p * rho) @ ak))
-    dk_coh = acc(rows) * (_swap(a_ds) @ aq).sum(2) + (_swap(at_max + ds_pre + p_hi * d_pre) @ aq).sum(2)
+    prk = (p * rho) @ ak
+    dq_coh = acc(sk) * (a_ds @ ak) + e_row * ak.max(-2, keepdims=True, initial=0) + d_worst * prk
+    dk_coh = acc(rows) * (_swap(a_ds) @ aq).sum(2) + (_swap(at_max) @ aq).sum(2)
+    if shared:
+        # dS's share of the shared operand errors; the pre-scaled operand is also a factor of dQ (K')
+        # or dK (Q'), so its rounding counts once more; and O's coherent error reaches D coherently.
+        ds_pre = a_ds * np.expm1(pre + (p * pre).sum(-1, keepdims=True)) + u_pre * p_hi * np.abs(dp_minus_d)
+        d_pre = (ado * (wp @ av + ao * wp.sum(-1, keepdims=True))).sum(-1, keepdims=True)
+        dq_coh = dq_coh + ds_pre @ ak + d_pre * (pk + prk)
+        dk_coh = dk_coh + (_swap(ds_pre + p_hi * d_pre) @ aq).sum(2)
     if u_tr:
         dq_coh = dq_coh + _trunc_mean(ds @ k, a_ds @ ak, u_tr)
         dk_coh = dk_coh + _trunc_mean((_swap(ds) @ q).sum(2), (_swap(a_ds) @ aq).sum(2), u_tr)

@@ -268,15 +268,36 @@ def compare(case: AttentionCase, name: str, got: np.ndarray, want: np.ndarray | 
         idx = tuple(int(i) for i in np.unravel_index(np.argmax(err / np.maximum(limit, 1e-300)), err.shape))
         over = int((err > limit).sum())
         rel = err[idx] / max(abs(float(want[idx])), 1e-300)
-        hint = explain(case, name, got, err) if against_truth and budget is None else ""
-        raise AssertionError(
-            f"{label}: {over} of {err.size} entries off by more than allowed; worst at {idx}: expected "
-            f"{float(want[idx])!r}, got {float(got[idx])!r}, error {err[idx]:.3e} (relative {rel:.2e}) > allowed "
-            f"{limit[idx]:.3e} ({err[idx] / max(limit[idx], 1e-300):.3g}x)\n"
-            f"  rule: {case.precision} {case.dtype} rounding model (its own largest error {model_err:.3e})\n"
-            f"{hint}  case: {case!r}")
+        head = (f"{label}: {over} of {err.size} entries off by more than allowed; worst at {idx}: expected "
+                f"{float(want[idx])!r}, got {float(got[idx])!r}, error {err[idx]:.3e} (relative {rel:.2e}) > "
+                f"allowed {limit[idx]:.3e} ({err[idx] / max(limit[idx], 1e-300):.3g}x)\n"
+                f"  rule: {case.precision} {case.dtype} rounding model (its own largest error {model_err:.3e})\n")
+        hint = (lambda: explain(case, name, got, err)) if against_truth and budget is None else (lambda: "")
+        raise Mismatch(head, hint, f"  case: {case!r}")
     if against_truth and budget is None:
         check_bias(case, name, got, want, label)
+
+
+class Mismatch(AssertionError):
+    """A result off by more than allowed. The lines that explain the error in terms of rounding
+    (``explain``) cost a few more bounds; they are computed when the message is read, so the many
+    failing examples Hypothesis tries while it shrinks do not pay for them."""
+
+    def __init__(self, head: str, hint, tail: str):
+        super().__init__(head + tail)
+        self._parts, self._hint, self._text = (head, tail), hint, None
+
+    def __str__(self):
+        if self._text is None:
+            try:
+                hint = self._hint()
+            except Exception as exc:  # the explanation is a courtesy: it never hides the failure
+                hint = f"  (no rounding explanation: {type(exc).__name__}: {exc})\n"
+            self._text = self._parts[0] + hint + self._parts[1]
+        return self._text
+
+    def __reduce__(self):  # to another process (xdist) as the plain assertion it reads as
+        return AssertionError, (str(self),)
 
 
 def explain(case: AttentionCase, name: str, got: np.ndarray, err: np.ndarray) -> str:
