@@ -291,7 +291,7 @@ def load(spec: str) -> Implementation:
 def _on_path(folder: Path) -> None:
     entry = str(folder.resolve())
     if entry not in (str(Path(p or ".").resolve()) for p in sys.path):
-        sys.path.insert(0, entry)
+        sys.path.append(entry)  # after site-packages: a plug-in named like a package it imports (mutants/triton.py) must not shadow it
 
 
 def _origin(module, attr: str) -> dict:
