@@ -66,7 +66,11 @@ def lengths(block: int, top: int, reach: int | None = None):
     def edge(tiles, delta):  # an edge past the range becomes its nearest end, 1 only at block 1
         return min(max(tiles * block + delta, 1 if delta >= 0 else 2), reach)
 
-    common = [n for t in TILE_SIZES for n in (t - 1, t, t + 1) if n <= top]
+    # within the kernel's own max_seq too: lengths past it are clamped, and a masked-rows case
+    # clamped to Sq = Sk has no masked row left (every draw of such a property would be refused)
+    impl = DRAWING_FOR[0]
+    cap = min(top, getattr(impl, "max_seq", None) or top)
+    common = [n for t in TILE_SIZES for n in (t - 1, t, t + 1) if n <= cap]
     # the third branch keeps one-by-one problems a small minority of what is drawn
     return st.one_of(st.integers(1, top), st.builds(edge, st.sampled_from((1, 2)), st.sampled_from((0, -1, 1))),
                      st.integers(max(1, top // 4), top), st.sampled_from(common or [top]))
