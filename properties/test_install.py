@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-pytestmark = pytest.mark.skipif(not (ROOT / "examples" / "ci" / "flashcheck.yml").is_file(),
-                                reason="needs a flashcheck checkout")
+pytestmark = [pytest.mark.skipif(not (ROOT / "examples" / "ci" / "flashcheck.yml").is_file(),
+                                reason="needs a flashcheck checkout"),
+              pytest.mark.xdist_group("fresh-venv")]  # one worker builds the venv, once
 
 
 def _clean_env(**extra):
