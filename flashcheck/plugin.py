@@ -210,6 +210,8 @@ def pytest_sessionstart(session):
                    database=None if current.database is None else PerImplementation.default())
     if os.environ.get("FLASHCHECK_SKIP_EXAMPLES"):
         changes["phases"] = [p for p in current.phases if p is not Phase.explicit]
+    if os.environ.get("FLASHCHECK_NO_SHRINK"):  # the first failing case is the answer (a kill, not a minimum)
+        changes["phases"] = [p for p in changes.get("phases", current.phases) if p is not Phase.shrink]
     # registered again under its own name: the strategies size cases by the profile's name
     settings.register_profile(name, current, **changes)
     settings.load_profile(name)

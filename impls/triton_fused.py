@@ -366,7 +366,10 @@ def flash_attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0
 DECLARED = dict(causal=("bottom_right", "top_left"), dtypes=DTYPES, devices=("cpu",) if INTERPRET else ("cuda",),
                 backward=True, gqa=True, lse=True, framework="torch", blocks=BLOCKS, head_dims=(1, 256),
                 max_seq=INTERPRET_MAX_SEQ, window=True, softcap=True, alibi=True, sinks=True,
-                tags=("interpreter",) if INTERPRET else ())
+                # On CPU, in Triton's interpreter, the full property run takes about 13 CPU-minutes: opt-in
+                # there (pytest -m "properties and interpreter" --impl triton-fused); CI still runs the
+                # Triton mutants through the interpreter (mutants/test_mutants.py, test_triton_features.py).
+                tags=("interpreter", "slow") if INTERPRET else ())
 
 
 @implementation(name="triton-fused", **DECLARED)

@@ -34,11 +34,12 @@ class Verdict:
     output: str = ""
 
 
-def run_suite(spec: str, pins: bool = True, timeout: float = 600, files=FILES) -> Verdict:
+def run_suite(spec: str, pins: bool = True, timeout: float = 600, files=FILES, shrink: bool = True) -> Verdict:
     """``pytest -m properties -x --impl SPEC`` under the ci profile, in a fresh process.
 
     ``pins=False`` drops the @example pins: the kill must then come from generated cases
-    and the case reported is what the shrinker reached.
+    and the case reported is what the shrinker reached; ``shrink=False`` reports the first
+    failing case as found (a kill that is not held to a small case needs no shrinking).
     """
     with tempfile.TemporaryDirectory() as repro_dir:
         env = {**os.environ, "CI": "true", "FLASHCHECK_PROFILE": "ci", "FLASHCHECK_REPRO_DIR": repro_dir}
@@ -46,6 +47,9 @@ def run_suite(spec: str, pins: bool = True, timeout: float = 600, files=FILES) -
         env.pop("FLASHCHECK_SKIP_EXAMPLES", None)
         if not pins:
             env["FLASHCHECK_SKIP_EXAMPLES"] = "1"
+        env.pop("FLASHCHECK_NO_SHRINK", None)
+        if not shrink:
+            env["FLASHCHECK_NO_SHRINK"] = "1"
         cmd = [sys.executable, "-m", "pytest", "-m", "properties", "-x", "-q", "-p", "no:cacheprovider",
                "-p", "no:randomly", "--impl", spec, *files]
         start = time.perf_counter()
