@@ -23,6 +23,10 @@ if triton_mutants is not None:
 # Precision bugs need long sequences to show, so their shrunk cases are not held to small().
 PRECISION = [(f"mutants/precision.py:{bug}", what) for bug, what in precision.BUGS.items()]
 MUTANTS += PRECISION
+# CI's 15 minutes: the precision kills (1-2 CPU-minutes each, float64 truths at 2048 keys) are
+# opt-in (pytest -m "mutants and slow" -k precision); CI keeps their correct build's false-alarm
+# run and properties/test_oracle_power.py, which rejects the same bug sizes on the rounding model.
+SLOW_KILLS = {spec for spec, _ in PRECISION}
 # The mutants' own correct build is the false-alarm check CI runs; the built-ins pass the
 # main suite already, so repeating them here through the harness is opt-in (slow).
 CORRECT = ["mutants/tiled.py:correct", "mutants/features.py:correct", "mutants/fixed_tiles.py:correct",
@@ -52,7 +56,9 @@ def small(case) -> bool:
 # Kills without pins prove what generation and shrinking find alone (CI); with the
 # @example pins they are faster, and that run is opt-in.
 @pytest.mark.parametrize("pins", [pytest.param(True, marks=pytest.mark.slow), False], ids=["pinned", "shrunk"])
-@pytest.mark.parametrize("spec,what", MUTANTS, ids=[s.split("/")[-1].replace(".py:", "-") for s, _ in MUTANTS])
+@pytest.mark.parametrize("spec,what", [pytest.param(s, w, marks=pytest.mark.slow) if s in SLOW_KILLS else (s, w)
+                                       for s, w in MUTANTS],
+                         ids=[s.split("/")[-1].replace(".py:", "-") for s, _ in MUTANTS])
 def test_mutant_is_killed_with_a_small_case(spec, what, pins):
     # Precision bugs show at lengths in the hundreds, which generation draws rarely in 25 examples:
     # they are killed on the long pins (properties/helpers.py), which every run has.
