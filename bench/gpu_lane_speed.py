@@ -1,6 +1,6 @@
 """Examples per second of the gpu lane, shape buckets off and on, side by side in one run.
 
-    python bench/gpu_lane_speed.py --out DIR [--window 240] [--seed 1]
+    python bench/gpu_lane_speed.py --out DIR [--window 240] [--seed 1] [--nights 2]
 
 Starts eight pytest processes at once (the gpu lane's ``-n 8``, without needing pytest-xdist):
 triton-fused and examples/triton_autotuned.py, each with FLASHCHECK_SHAPE_BUCKETS=0 (every draw
@@ -11,7 +11,13 @@ profile from one --hypothesis-seed and one bucket seed, with its own example dat
 compiles. A process still running after --window seconds is stopped; the examples it finished
 count (FLASHCHECK_TIMING_LOG, flashcheck/timing.py). Prints one row per pair: tests finished,
 examples, seconds, examples per second, Triton JIT seconds, failures; then the speed-ups. Logs
-and the JSON lines go to DIR. The whole run takes the window plus about a minute.
+and the JSON lines go to DIR. The whole run takes the window plus about a minute, per night.
+
+``--nights 2`` runs it all again as a nightly job's next night would: a new --hypothesis-seed,
+the same bucket seed (FLASHCHECK_BUCKET_SEED, fixed in the job) and each pair's Triton cache
+from the night before, which a CUDA runner keeps between runs. Free draws meet new shapes each
+night; the buckets meet the kernels the cache already holds. Each process gets its share of the
+cores (OMP_NUM_THREADS), as the plugin gives xdist's workers.
 """
 from __future__ import annotations
 
@@ -32,20 +38,21 @@ HALVES = (("properties/test_forward.py", "properties/test_backward.py"),
           ("properties/test_invariance.py", "properties/test_features.py"))
 
 
-def launch(impl, spec, buckets, half, files, args, out: Path, caches: Path):
-    name = f"{impl}-buckets{buckets}-part{half}"
+def launch(impl, spec, buckets, half, files, args, out: Path, caches: Path, night: int):
+    name = f"{impl}-buckets{buckets}-part{half}-night{night}"
     env = dict(os.environ, FLASHCHECK_PROFILE=args.profile, FLASHCHECK_SHAPE_BUCKETS=str(buckets),
+               OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // 8)),
                FLASHCHECK_BUCKET_SEED=str(args.seed), FLASHCHECK_TIMING_LOG=str(out / f"{name}.jsonl"),
                FLASHCHECK_DB=str(caches / f"db-{name}"), TRITON_CACHE_DIR=str(caches / f"triton-{impl}-{buckets}"),
                # eight processes on one GPU: JAX, where a built-in loads it, takes only what it uses
                XLA_PYTHON_CLIENT_PREALLOCATE="false")
     env.pop("FLASHCHECK_IMPL", None)
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist", "-p", "no:randomly", "-q",
-           "--impl", spec, f"--hypothesis-seed={args.seed}", *files]
+           "--impl", spec, f"--hypothesis-seed={args.seed + night}", *files]
     log = open(out / f"{name}.log", "w")
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    return dict(name=name, impl=impl, buckets=buckets, proc=proc, log=log, start=time.time(), end=None,
-                stopped=False)
+    return dict(name=name, impl=impl, buckets=buckets, night=night, proc=proc, log=log, start=time.time(),
+                end=None, stopped=False)
 
 
 def wait(runs, window):
@@ -65,7 +72,7 @@ def wait(runs, window):
         r["log"].close()
 
 
-def summarize(runs, out: Path):
+def summarize(runs, out: Path, night: int):
     pairs = {}
     for r in runs:
         p = pairs.setdefault((r["impl"], r["buckets"]), dict(tests=0, examples=0, seconds=0.0, jit=0.0, failed=0,
@@ -90,7 +97,8 @@ def summarize(runs, out: Path):
         p["failed"] += sum(t["outcome"] == "failed" for t in tests)
         p.setdefault("failures", []).extend(t["test"] for t in tests if t["outcome"] == "failed")
         p["stopped"] += r["stopped"]
-    lines = [f"{'implementation':18} {'buckets':7} {'tests':>5} {'examples':>8} {'seconds':>7} {'ex/s':>6} "
+    lines = [f"night {night + 1}" + (" (each pair's Triton cache from the night before)" if night else " (empty caches)"),
+             f"{'implementation':18} {'buckets':7} {'tests':>5} {'examples':>8} {'seconds':>7} {'ex/s':>6} "
              f"{'jit s':>7} {'failed':>6}  stopped"]
     for (impl, b), p in sorted(pairs.items()):
         p["rate"] = p["examples"] / p["seconds"] if p["seconds"] else 0.0
@@ -102,7 +110,8 @@ def summarize(runs, out: Path):
             lines.append(f"{impl}: buckets on give {on['rate'] / off['rate']:.1f}x the examples per second")
     for (impl, b), p in sorted(pairs.items()):
         lines += [f"  failed ({impl}, buckets {'on' if b else 'off'}): {t}" for t in p["failures"]]
-    (out / "speed.json").write_text(json.dumps({f"{i} buckets={b}": p for (i, b), p in pairs.items()}, indent=1))
+    (out / f"speed-night{night + 1}.json").write_text(json.dumps({f"{i} buckets={b}": p for (i, b), p in pairs.items()},
+                                                                 indent=1))
     return lines
 
 
@@ -112,14 +121,18 @@ def main():
     ap.add_argument("--window", type=float, default=240.0, help="seconds before unfinished processes are stopped")
     ap.add_argument("--seed", type=int, default=1, help="--hypothesis-seed and FLASHCHECK_BUCKET_SEED of every process")
     ap.add_argument("--profile", default="gpu", help="Hypothesis profile (ci tries the script on a CPU machine)")
+    ap.add_argument("--nights", type=int, default=1, help="runs in a row, each with the caches of the one before")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    lines = []
     with tempfile.TemporaryDirectory(prefix="lane-speed-") as tmp:
-        runs = [launch(impl, spec, b, h, files, args, args.out, Path(tmp))
-                for impl, spec in IMPLS.items() for b in (0, 1) for h, files in enumerate(HALVES)]
-        wait(runs, args.window)
-    lines = summarize(runs, args.out)
-    print("\n".join(lines))
+        for night in range(args.nights):
+            runs = [launch(impl, spec, b, h, files, args, args.out, Path(tmp), night)
+                    for impl, spec in IMPLS.items() for b in (0, 1) for h, files in enumerate(HALVES)]
+            wait(runs, args.window)
+            tonight = summarize(runs, args.out, night)
+            lines += tonight
+            print("\n".join(tonight), flush=True)
     (args.out / "speed.txt").write_text("\n".join(lines) + "\n")
 
 

@@ -38,8 +38,13 @@ def _configs():
 
 
 def _prune(configs, named_args, **kwargs):
-    """Drop tiles that would not fit the head dim in float32 (the FMA path compiles them for minutes)."""
+    """Drop tiles that would not fit the head dim in float32 (the FMA path compiles them for minutes),
+    and 64-key tiles when both head dims are padded: on an H200 (Triton 3.6) those compile to a
+    forward that returns wrong rows and, under the autotuner, reads out of bounds (D = 100, Dv = 5
+    in fp16 and bf16; the interpreter computes the same tiles right; docs/findings.md)."""
     args = {**named_args, **kwargs}  # the constexprs come as keywords
+    if args["D_PAD"] != args["HEAD_DIM"] and args["DV_PAD"] != args["HEAD_DV"]:
+        configs = [c for c in configs if c.kwargs["BLOCK_N"] < 64] or configs[-1:]
     if args["Q"].dtype != torch.float32:
         return configs
     width = max(args["D_PAD"], args["DV_PAD"])

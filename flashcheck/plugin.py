@@ -121,6 +121,7 @@ def pytest_configure(config):
     except ValueError as exc:
         raise pytest.UsageError(str(exc)) from exc
     timing.register(config, profile)
+    _share_cores(config)
     try:
         impls = [load(s) for s in specs] if specs else builtins()
     except ContractError as exc:
@@ -281,6 +282,18 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
+
+
+def _share_cores(config):
+    """An xdist worker takes its share of the cores for the float64 truth on the host: eight
+    workers each running torch on every core spend their time switching, not computing. A thread
+    count the user set (OMP_NUM_THREADS) is left alone."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if not hasattr(config, "workerinput") or workers < 2 or os.environ.get("OMP_NUM_THREADS"):
+        return
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -15,7 +15,7 @@ Registered by the pytest plugin (flashcheck/plugin.py). Per test it measures:
 The table prints in the gpu profile, or wherever FLASHCHECK_TIMING=1 (FLASHCHECK_TIMING=0
 silences it). FLASHCHECK_TIMING_LOG=PATH also appends one JSON line per finished example and
 per finished test, from every xdist worker, so that a run stopped by a timeout still tells how
-far it got (scratch/gpu_lane_speed.py reads it).
+far it got (bench/gpu_lane_speed.py reads it).
 """
 from __future__ import annotations
 
@@ -128,11 +128,13 @@ class Timing:
         if inner is not None:
             from hypothesis.errors import UnsatisfiedAssumption
 
-            def verdict():  # one more example ran to a verdict
+            def verdict(kwargs):  # one more example ran to a verdict
                 counted[0] += 1
                 if self.log:
+                    case = kwargs.get("case")
                     self._write(dict(kind="example", test=item.nodeid, impl=_impl_name(item), at=time.time(),
-                                     t=time.perf_counter() - begun, jit=self.clock.jit_s - start[0]))
+                                     t=time.perf_counter() - begun, jit=self.clock.jit_s - start[0],
+                                     case=None if case is None else repr(case)))
 
             @functools.wraps(inner)
             def counting(*args, **kwargs):
@@ -141,9 +143,9 @@ class Timing:
                 except UnsatisfiedAssumption:  # a rejected draw: no example
                     raise
                 except BaseException:
-                    verdict()
+                    verdict(kwargs)
                     raise
-                verdict()
+                verdict(kwargs)
                 return out
 
             hyp.inner_test = counting

@@ -79,3 +79,28 @@ def test_jax_compile_events_are_summed(monkeypatch):
     listeners[0]("/jax/core/compile/jaxpr_trace_duration", 0.25, fun_name="f")
     listeners[0]("/jax/dispatch/other_duration", 9.0)  # not a compile
     assert clock.jax_s == 1.75 and clock.now()[3] == 1.75, clock.jax_s
+
+
+@pytest.mark.parametrize("workers, preset, worker, expected", [
+    ("8", None, True, "share"), ("8", "3", True, "kept"), ("8", None, False, "kept"), ("1", None, True, "kept")])
+def test_an_xdist_worker_takes_its_share_of_the_cores_unless_threads_were_set(monkeypatch, workers, preset, worker,
+                                                                             expected):
+    import torch
+
+    from flashcheck import plugin
+
+    before = torch.get_num_threads()
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", workers)
+    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    if preset is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", preset)
+    config = types.SimpleNamespace(**({"workerinput": {}} if worker else {}))
+    try:
+        plugin._share_cores(config)
+        got = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+    want = 16 // int(workers) if expected == "share" else before
+    assert got == want, f"expected {want} torch threads ({expected}) for {workers} workers, got {got}"
