@@ -368,7 +368,7 @@ DECLARED = dict(causal=("bottom_right", "top_left"), dtypes=DTYPES, devices=("cp
                 max_seq=INTERPRET_MAX_SEQ, window=True, softcap=True, alibi=True, sinks=True,
                 # On CPU, in Triton's interpreter, the full property run takes about 13 CPU-minutes: opt-in
                 # there (pytest -m "properties and interpreter" --impl triton-fused); CI still runs the
-                # Triton mutants through the interpreter (mutants/test_mutants.py, test_triton_features.py).
+                # Triton mutants through the interpreter (mutants/test_mutants.py).
                 tags=("interpreter", "slow") if INTERPRET else ())
 
 

@@ -2,9 +2,9 @@
 
 On a machine without CUDA they run in Triton's interpreter, so CPU CI kills them too.
 
-FEATURE_BUGS break the optional features (window, softcap, ALiBi, sinks). The property suite
-reaches them only where triton-fused declares those features; until then
-mutants/test_triton_features.py kills each of them with its own dense float64 check.
+FEATURE_BUGS break the optional features (window, softcap, ALiBi, sinks); triton-fused declares
+them, so the feature properties (properties/test_features.py, with its grid of 16-wide-tile
+pins) kill them as they kill any plug-in's.
 """
 from flashcheck.impls import triton_fused
 

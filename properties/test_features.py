@@ -31,8 +31,51 @@ def _compare_all(impl, case, res, names, who=None):
             orc.compare(case, name, got, who=who or impl.name)
 
 
+def _geometric(h):
+    """ALiBi's slopes for h heads: 2^(-8 i / h), i = 1..h."""
+    return tuple(2.0 ** (-8.0 * (i + 1) / h) for i in range(h))
+
+
+def _tiles16(**fields):
+    return Case(d=16, dv=16, block_q=16, block_k=16, **fields)
+
+
+# Aimed at the branches of a tiled kernel, with 16-wide tiles so that every length spans several:
+# tiles skipped on either side of a window, bands wider than two tiles (masked, unmasked, masked
+# in turn, left edges one past a tile boundary: Sk - Sq - left = -17 and -62), windows that empty
+# rows, saturating and identity softcaps, ALiBi of both signs per head and per batch, sinks from
+# -inf to dominant, and everything at once; causal both ways, GQA, Sq != Sk.
+TILE_GRID = (
+    _tiles16(hq=2, hkv=1, sq=40, sk=40, dtype="float32", window=(3, 2)),
+    _tiles16(hq=2, hkv=2, sq=29, sk=53, dtype="float32", window=(7, -1), causal="bottom_right"),
+    _tiles16(hq=2, hkv=1, sq=45, sk=30, dtype="float16", window=(-1, 4), causal="top_left"),
+    _tiles16(hq=2, hkv=1, sq=64, sk=70, dtype="float32", window=(23, 20)),
+    _tiles16(hq=4, hkv=2, sq=70, sk=64, dtype="float16", window=(56, -1), causal="bottom_right"),
+    _tiles16(sq=50, sk=20, dtype="float32", window=(0, 0)),
+    _tiles16(sq=20, sk=33, dtype="float16", window=(40, 40), causal="bottom_right"),
+    _tiles16(hq=2, hkv=1, sq=33, sk=33, dtype="float32", softcap=0.5, scale=1.0, causal="bottom_right"),
+    _tiles16(sq=20, sk=20, dtype="float32", softcap=1e-35, causal="bottom_right"),
+    _tiles16(hq=2, hkv=2, sq=20, sk=35, dtype="float16", softcap=1e4),
+    _tiles16(hq=4, hkv=2, sq=37, sk=21, dtype="float32", softcap=3.0, scale=0.6),
+    _tiles16(hq=4, hkv=2, sq=22, sk=41, dtype="float32", alibi=_geometric(4), causal="bottom_right"),
+    _tiles16(batch=2, hq=2, hkv=1, sq=35, sk=19, dtype="float16", alibi=((0.3, -0.05), (-0.2, 0.1))),
+    _tiles16(hq=4, hkv=2, sq=40, sk=23, dtype="float32", sinks=(-math.inf, 0.5, 3.0, 30.0), causal="bottom_right"),
+    _tiles16(hq=4, hkv=2, sq=38, sk=51, dtype="float32", window=(9, 3), causal="bottom_right", softcap=2.0,
+             alibi=_geometric(4), sinks=(0.0, -1.0, 2.0, -math.inf)),
+    _tiles16(hq=2, hkv=1, sq=41, sk=26, dtype="float16", window=(12, 1), causal="top_left", softcap=4.0,
+             alibi=(0.25, -0.1), sinks=(1.0, -2.0)),
+)
+
+
+def _tile_grid(test):
+    for case in reversed(TILE_GRID):  # decorators apply bottom-up: keep the grid's order
+        test = example(case=case)(test)
+    return test
+
+
 @pytest.mark.requires("features")
 @given(case=fs.cases(features=FEATURES))
+@_tile_grid
 @example(case=Case(sq=4, sk=6, window=(0, 0)))  # each row sees exactly its diagonal key
 @example(case=Case(sq=6, sk=3, d=2, window=(1, 1)))  # Sq > Sk: the first rows' windows end before key 0
 @example(case=Case(sq=5, sk=5, causal="top_left", window=(2, -1), block_q=2, block_k=2))  # window + causal
@@ -50,6 +93,7 @@ def test_output_matches_dense_float64_with_features(impl, case):
 
 @pytest.mark.requires("features", "backward")
 @given(case=fs.cases(features=FEATURES))
+@_tile_grid
 @example(case=Case(sq=3, sk=4, d=2, softcap=0.5, scale=3.0))  # the tanh's derivative enters dQ and dK
 @example(case=Case(hq=2, hkv=1, sq=4, sk=3, sinks=(0.0, -2.0), causal="bottom_right"))  # dsinks, masked rows
 @example(case=Case(sq=5, sk=5, window=(1, 0), block_q=2, block_k=2))  # window in the backward
