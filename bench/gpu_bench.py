@@ -18,7 +18,6 @@ FlexAttention agree on O (max |difference| printed). Writes DIR/features.json.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys

@@ -91,8 +91,8 @@ def main(argv=None):
         return
     impls = ["torch-tiled"] + (["sdpa-math"] if args.dense else [])
     print(f"forward + backward, B = H = 1, D = {D}, float32, CPU; peak extra = VmHWM - VmRSS before the call")
-    print(f"| impl | Sq = Sk | peak extra (MiB) | / one fp32 Sq x Sk matrix | x previous length |")
-    print(f"|---|---|---|---|---|")
+    print("| impl | Sq = Sk | peak extra (MiB) | / one fp32 Sq x Sk matrix | x previous length |")
+    print("|---|---|---|---|---|")
     for which in impls:
         prev = None
         for n in args.lengths:

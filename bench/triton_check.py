@@ -9,7 +9,6 @@ sanity bounds; the property suite holds the implementation to the FlashAttention
 from __future__ import annotations
 
 import argparse
-import itertools
 import os
 import random
 import sys

@@ -2,11 +2,11 @@
 
 A plug-in run (``--impl``) walks its properties one after another, each through 25-80
 examples, so a bug that only one late property sees (a window off by one, a run-dependent
-tile order) used to show after every earlier property had passed: minutes. Before the run
+tile order) would show only after every earlier property had passed: minutes. Before the run
 proper, each numeric property runs quietly on its hand-written ``@example`` pins (the boundary
 cases, small and cheap) and the first of its coverage pins, or on one generated case when it
 has no pins; the properties that fail there go first in the run proper, where they fail again
-with the usual shrunk report. Then the run goes on to the others as before.
+with the usual shrunk report. Then the run goes on to the others.
 
 The input-validation properties keep their place at the end (plugin.py says why), and a
 run spread over workers (pytest-xdist) is left in its order.

@@ -47,10 +47,9 @@ import numpy as np
 
 from flashcheck import bounds
 from flashcheck.impls import numpy_ref
-from flashcheck.impls.rounding import DECLARES, HALF, PRECISIONS, Precision, fused
+from flashcheck.impls.rounding import DECLARES, HALF, PRECISIONS, RESULTS, Precision, fused
 from flashcheck.strategies.case import EPS, AttentionCase, quantize
 
-RESULTS = ("o", "lse", "dq", "dk", "dv")
 ULP_FLOOR = 0.25  # ulps allowed beyond the half ulp of rounding the result
 # The bias check: significance, the mean error in units of the allowed error, groups it needs, and
 # how far above its allowed error a truth must stand to count.

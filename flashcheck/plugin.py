@@ -139,7 +139,6 @@ def pytest_configure(config):
         impls = [i for i in impls if "cuda" in i.devices]
     suite = [_properties_dir()] + ([checkout] if checkout else [])
     config.flashcheck = State(impls, bool(specs), allow_skip, suite)
-    config.flashcheck_impls = impls  # kept for the suite's own tests
     if specs:
         _keep_hypothesis_files_in(Path.cwd() / ".flashcheck")
         _collect_kernel_properties(config)

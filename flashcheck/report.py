@@ -24,10 +24,11 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from flashcheck.impls.rounding import RESULTS as _RESULTS
 from flashcheck.strategies import AttentionCase
 from flashcheck.strategies.case import CASE_PATTERN
 
-RESULTS = ("o", "lse", "dq", "dk", "dv", "dsinks")
+RESULTS = (*_RESULTS, "dsinks")  # and the sinks' gradient, which a failure may name
 MAP_WIDTH = 96  # characters of a row/key map before positions are grouped
 
 try:

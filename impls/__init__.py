@@ -14,15 +14,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from flashcheck.impls.rounding import PRECISIONS
+from flashcheck.impls.rounding import DTYPES, PRECISIONS
 
 ALIGNMENTS = ("bottom_right", "top_left")
-DTYPES = ("float64", "float32", "float16", "bfloat16")
 DEVICES = ("cpu", "cuda")
 FRAMEWORKS = ("torch", "numpy")
 
 REGISTRY: dict[str, "Implementation"] = {}
-SPECS: dict[str, str] = {}  # implementation name -> the --impl spec that loaded it
 ORIGINS: dict[str, dict] = {}  # implementation name -> where it was loaded from (see ``origin_of``)
 
 
@@ -151,7 +149,7 @@ def implementation(*, name: str, causal="bottom_right", dtypes=("float32",), dev
                    head_dims=(1, 256), equal_head_dims=False, seq_multiple=1, max_seq=None, equal_lengths=False,
                    masked_rows=True, tags=(), known_issues=(), precision="fused",
                    causal_only=False, min_seq=1, supports=None, scale_arg=True, deterministic=False,
-                   # the feature matrix (issue 10): see Implementation
+                   # the optional features: see Implementation
                    window=False, softcap=False, alibi=False, sinks=False, dropout=False, dropout_mask=None,
                    register=True):
     """Declare an attention function to the suite. See README, "The plug-in contract"."""
@@ -283,7 +281,6 @@ def load(spec: str) -> Implementation:
     record = getattr(fn, "__flashcheck__", None)
     if record is None:
         raise ContractError(f"--impl {spec!r}: {attr!r} is not decorated with @flashcheck.implementation(...)")
-    SPECS[record.name] = spec
     ORIGINS[record.name] = _origin(module, attr)
     return record
 
@@ -312,11 +309,6 @@ def _decorated(path: Path) -> list[str]:
         return []
     # a decorator block: lines from "@...implementation(" down to the "def" it decorates
     return re.findall(r"^@[\w.]*implementation\((?:.|\n)*?^def (\w+)", text, re.M)
-
-
-def spec_of(impl: Implementation) -> str:
-    """A spec that ``load`` turns back into this implementation."""
-    return SPECS.get(impl.name) or impl.name
 
 
 def origin_of(impl: Implementation) -> dict:

@@ -61,19 +61,6 @@ def _logits(q, k, causal, scale, window, softcap, alibi_slopes):
     return np.where(vis, s, dt.type(-np.inf)), vis, dcap
 
 
-def scores(q, k, *, causal=False, scale=None, window=None, softcap=0.0, alibi_slopes=None):
-    """The logits every implementation is held to, computed in the dtype of q: (s, visible).
-
-    q (B, Hq, Sq, D), k (B, Hkv, Sk, D). s = scale * q k^T, then the softcap
-    c * tanh(s / c) (softcap 0 = off), then the ALiBi bias -slope_h * |i + Sk - Sq - j|
-    (slopes (Hq,) or (B, Hq)), then -inf where the causal mask or the window hides the key.
-    s is (B, Hq, Sq, Sk); visible is (Sq, Sk) bool. Called with float32 arrays it
-    computes in float32 (a model of what a float32 kernel computes).
-    """
-    s, vis, _ = _logits(q, k, causal, scale, window, softcap, alibi_slopes)
-    return s, vis
-
-
 def _prepare(q, k, v, causal, scale, who):
     b, hq, hkv, sq, sk, d, dv = check_inputs(q, k, v, dtypes=DTYPES, who=who)
     align = alignment(causal)

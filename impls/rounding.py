@@ -29,7 +29,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+# The vocabulary every part shares: the dtypes (float64 first, where shrinking ends when a bug is
+# not about precision), the half-precision ones, and the results an attention call gives.
+DTYPES = ("float64", "float32", "float16", "bfloat16")
 HALF = ("float16", "bfloat16")
+RESULTS = ("o", "lse", "dq", "dk", "dv")
 SITES = ("tf32", "dense", "prescaled")  # the declarable rounding sites, in their canonical order
 PRECISIONS = ("fused",) + tuple("+".join(c) for n in range(1, 4) for c in itertools.combinations(SITES, n)) + ("naive",)
 DECLARES = {"tf32": "matmul operands rounded to TF32 (10 mantissa bits), to nearest or by truncation",

@@ -43,13 +43,13 @@ import torch.nn.functional as F
 
 from flashcheck.impls import KnownIssue, implementation
 from flashcheck.impls.checks import alignment, check_features, check_inputs, check_tensors
+from flashcheck.impls.rounding import DTYPES
 
 try:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 except ImportError as exc:  # torch < 2.3: no per-backend selection, so nothing to register honestly
     raise ImportError(f"flashcheck.impls.sdpa needs torch.nn.attention.sdpa_kernel: {exc}") from exc
 
-ALL_DTYPES = ("float64", "float32", "float16", "bfloat16")
 
 
 def probe(backend, device="cpu", dtype=torch.float32, gqa=False) -> str | None:
@@ -209,7 +209,7 @@ def _available(name, backend, device="cpu", dtype=torch.float32) -> bool:
 # On CUDA the math backend rounds S = q k^T to fp16/bf16 before the softmax: plain dense
 # attention in the input type, held to the naive rule. On the CPU it computes in float32.
 math_attention = _register("sdpa-math", SDPBackend.MATH, devices=("cpu", "cuda") if _CUDA else ("cpu",),
-                           dtypes=ALL_DTYPES, precision="naive" if _CUDA else "fused", masks=True)
+                           dtypes=DTYPES, precision="naive" if _CUDA else "fused", masks=True)
 
 if _CUDA:
     # The suite runs a declared CUDA implementation on CUDA when it is present, so each fused backend
@@ -237,7 +237,7 @@ elif _available("sdpa-flash", SDPBackend.FLASH_ATTENTION):
     # Its fp16/bf16 backward carries about 3x a fused kernel's rounding in dK and dV (largest error
     # 1.0-2.2x the fused bound at Sq = Sk = 128-2048, where torch-tiled stays at 0.35x): it is held
     # to the naive rule, k x the error of plain dense attention in the input type.
-    flash_attention = _register("sdpa-flash", SDPBackend.FLASH_ATTENTION, devices=("cpu",), dtypes=ALL_DTYPES,
+    flash_attention = _register("sdpa-flash", SDPBackend.FLASH_ATTENTION, devices=("cpu",), dtypes=DTYPES,
                                 equal_head_dims=True, known_issues=[CPU_FLASH_CAUSAL_NONPOSITIVE_SCALE],
                                 precision="naive",
                                 gqa=runs(SDPBackend.FLASH_ATTENTION, gqa=True), masks=True)

@@ -23,10 +23,10 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from flashcheck.impls import counter_rng, implementation
+from flashcheck.impls.rounding import DTYPES
 from flashcheck.impls.checks import alignment, check_blocks, check_features, check_inputs, offset
 
 WHO = "torch-tiled"
-DTYPES = ("float64", "float32", "float16", "bfloat16")
 NEG_INF = float("-inf")
 
 

@@ -1,4 +1,4 @@
-"""The suite's own trustworthiness (issue 9): no false alarm on a correct kernel that declares
+"""The suite's own trustworthiness: no false alarm on a correct kernel that declares
 its limits, no check that cannot fail, and reports that blame the right thing.
 
 The kernels are in mutants/untrusted.py; the properties are called here in process, on

@@ -1,7 +1,7 @@
 """Kernels that test the suite's own trustworthiness rather than a bug class of attention.
 
-Each one either is correct and was falsely failed by an older suite, or is broken in a way
-an older suite could not see (issue 9). They run as plug-ins, ``mutants/untrusted.py:<name>``,
+Each one is either correct in a way that is easy to fail falsely (limits it declares, a refusal
+by a named error), or broken in a way that only a careful suite sees. They run as plug-ins, ``mutants/untrusted.py:<name>``,
 from mutants/test_trust.py (in process) and mutants/test_examples.py (through pytest).
 """
 from __future__ import annotations

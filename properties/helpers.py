@@ -7,11 +7,11 @@ from hypothesis import example
 from hypothesis.errors import UnsatisfiedAssumption
 
 from flashcheck.impls import call
+from flashcheck.impls.rounding import HALF, RESULTS
 from flashcheck.strategies import REGIMES, AttentionCase as Case
 from flashcheck.strategies import draw as fs_draw
 from flashcheck.strategies.draw import DEFAULT_DTYPES as DTYPES
 
-RESULTS = ("o", "lse", "dq", "dk", "dv")
 
 try:
     BaseExceptionGroup
@@ -56,7 +56,7 @@ COVER_SHAPES = (
 )
 # One long case per half type: accumulation bugs need length (drawn too, in the long region).
 LONG_PINS = tuple(Case(hq=2, hkv=1, sq=2048, sk=2048, d=8, dv=8, dtype=t, causal="bottom_right",
-                       block_q=64, block_k=64, seed=7) for t in ("float16", "bfloat16"))
+                       block_q=64, block_k=64, seed=7) for t in HALF)
 
 
 def cover_cases(regimes=None, long=False, causal=True):

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from flashcheck import oracle as orc
 from flashcheck import strategies as fs
 from flashcheck.properties import helpers as ph
+from flashcheck.impls.rounding import HALF
 from flashcheck.strategies import AttentionCase as Case
 
 pytestmark = [pytest.mark.properties, ph.CPU_PROFILES_ONLY]
@@ -41,7 +42,7 @@ REGIONS = {
     "scale 0.0": lambda c: c.scale == 0.0,
     "tiny scale": lambda c: c.scale is not None and 0 < c.scale <= 1e-6,
     "large scale": lambda c: c.scale is not None and c.scale >= 30,
-    **{f"dtype {t}": (lambda t: lambda c: c.dtype == t)(t) for t in ("float64", "float32", "float16", "bfloat16")},
+    **{f"dtype {t}": (lambda t: lambda c: c.dtype == t)(t) for t in fs.draw.DEFAULT_DTYPES},
     **{f"regime {r}": (lambda r: lambda c: c.regime == r)(r) for r in fs.REGIMES},
 }
 
@@ -229,7 +230,7 @@ def _default_sample():
 
 def test_lengths_around_common_tile_sizes_are_drawn_without_a_declaration():
     within_budget = {n for t in fs.draw.TILE_SIZES for n in (t - 1, t, t + 1) if n <= fs.limits()["seq"]}
-    seen = {c.sk for c in _default_sample() if c.dtype not in ("float16", "bfloat16")}
+    seen = {c.sk for c in _default_sample() if c.dtype not in HALF}
     assert within_budget <= seen, f"expected every length around a common tile size, missing {within_budget - seen}"
     assert max(seen) <= fs.limits()["seq"], "without declared tiles lengths stay within the profile's budget"
 
@@ -244,13 +245,13 @@ def test_long_half_precision_region_is_drawn_and_only_in_half_precision():
     seen = _default_sample()
     long = [c for c in seen if max(c.sq, c.sk) > fs.limits()["seq"]]
     assert len(long) >= 3, f"expected the long region among 200 draws, got {len(long)}"
-    assert all(c.dtype in ("float16", "bfloat16") for c in long), "long cases must be fp16 or bf16"
+    assert all(c.dtype in HALF for c in long), "long cases must be fp16 or bf16"
     assert max(max(c.sq, c.sk) for c in long) >= 1024, "the long region should reach 1024 and beyond"
     assert not any(max(c.sq, c.sk) > fs.limits()["seq"] for c in _sample(fs.cases(dtypes=("float32",)), 60))
 
 
 def test_long_region_reaches_2048():
-    found = find(fs.draw.long_cases(("float16", "bfloat16")), lambda c: max(c.sq, c.sk) == 2048, settings=SEARCH)
+    found = find(fs.draw.long_cases(HALF), lambda c: max(c.sq, c.sk) == 2048, settings=SEARCH)
     assert max(found.sq, found.sk) == 2048
 
 

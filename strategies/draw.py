@@ -13,6 +13,7 @@ import time
 from hypothesis import currently_in_test_context, note, reject, settings
 from hypothesis import strategies as st
 
+from flashcheck.impls.rounding import DTYPES, HALF
 from flashcheck.strategies import buckets
 from flashcheck.strategies.case import REGIMES, AttentionCase
 from flashcheck.strategies.features import feature_fields, fit_features
@@ -24,10 +25,10 @@ LIMITS = {
     "thorough": dict(batch=3, heads=4, seq=96, dim=96, long=4096),
     "gpu": dict(batch=3, heads=4, seq=300, dim=256, long=2048),  # the float64 truth runs on the host CPU
 }
-DTYPES = {  # float64 first: it shrinks there when the bug is not about precision
+PROFILE_DTYPES = {  # the gpu lane's: no float64 on the device
     "gpu": ("float16", "bfloat16", "float32"),
 }
-DEFAULT_DTYPES = ("float64", "float32", "float16", "bfloat16")
+DEFAULT_DTYPES = DTYPES  # float64 first: it shrinks there when the bug is not about precision
 SCALES = (None, 0.0, 1e-6, 0.5, 2.0, 30.0)  # default, zero, tiny, plain, large
 DIMS = (1, 2, 3, 5, 7, 8, 16, 24, 31, 32, 33, 40, 48, 64, 80, 96, 100, 128, 160, 192, 256)
 # One draw, smallest first: a tile bug shrinks to the smallest tile that still shows it
@@ -98,7 +99,7 @@ def cases(draw, *, dtypes=None, causal=None, regimes=REGIMES, masked_rows=False,
     features (strategies/features.py) that may be drawn on, each shrinking to off.
     """
     lim = limits()
-    dtypes = dtypes or DTYPES.get(_profile(), DEFAULT_DTYPES)
+    dtypes = dtypes or PROFILE_DTYPES.get(_profile(), DEFAULT_DTYPES)
     half = [t for t in dtypes if t in HALF]
     # the long region is for accumulation over length, a property of plain attention: the feature
     # properties (two runs and two truths per case, or many dropout seeds) stay short
@@ -148,7 +149,6 @@ def cases(draw, *, dtypes=None, causal=None, regimes=REGIMES, masked_rows=False,
 
 # About one draw in eight goes to the long region; shrinking leaves it for the short one.
 LONG_ODDS = st.sampled_from((False,) * 7 + (True,))
-HALF = ("float16", "bfloat16")
 
 
 @st.composite
