@@ -17,8 +17,22 @@ if (_CHECKOUT / "impls" / "__init__.py").is_file() and (_CHECKOUT / "pyproject.t
     # package's subpackages, exactly as an install lays them out.
     __path__.append(str(_CHECKOUT))
 
-from flashcheck.impls import ContractError, Implementation, KnownIssue, implementation, load  # noqa: E402
-from flashcheck.strategies import AttentionCase  # noqa: E402
-
 __version__ = "0.2.0"
 __all__ = ["AttentionCase", "ContractError", "Implementation", "KnownIssue", "implementation", "load"]
+_FROM = {"AttentionCase": "flashcheck.strategies", **{n: "flashcheck.impls" for n in __all__[1:]}}
+
+
+def __getattr__(name):
+    # The names load on first use: the pytest plugin imports this package in every pytest run on a
+    # machine where flashcheck is installed, and a run that is not about flashcheck pays for nothing.
+    if name in _FROM:
+        import importlib
+
+        value = getattr(importlib.import_module(_FROM[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'flashcheck' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

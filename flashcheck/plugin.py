@@ -32,7 +32,8 @@ from pathlib import Path
 import pytest
 
 import flashcheck
-from flashcheck import report, timing
+from flashcheck import timing  # pytest and the standard library only: numpy, torch and Hypothesis load
+                               # when a run is about flashcheck, never in a stranger's pytest run
 
 MARKERS = (
     "properties: Hypothesis property tests (the main suite: pytest -m properties)",
@@ -422,8 +423,10 @@ def pytest_runtest_makereport(item, call):
         _warn_if_slow(item, impl, state)
     if not rep.failed or call.excinfo is None:
         return rep
-    failure = report.Failure.of(item, impl, call.excinfo.value, getattr(item, "flashcheck_pin", None))
+    from flashcheck import report
     from flashcheck.impls import origin_of
+
+    failure = report.Failure.of(item, impl, call.excinfo.value, getattr(item, "flashcheck_pin", None))
 
     where = None
     try:

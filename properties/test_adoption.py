@@ -93,6 +93,26 @@ def test_no_impl_outside_a_checkout_says_so_with_the_command_to_run(tmp_path):
                     "FILE.py:function -m properties (or flashcheck check FILE.py:function)"], run.stdout[-2000:]
 
 
+HEAVY = ("numpy", "torch", "hypothesis", "flashcheck.impls", "flashcheck.strategies")
+LOADED = ("import sys, pytest; pytest.main(['--co', '-q', '-p', 'no:cacheprovider', *sys.argv[1:]]); "
+          f"print('LOADED', sorted(m for m in {HEAVY!r} if m in sys.modules))")
+
+
+def test_a_pytest_run_that_is_not_about_flashcheck_loads_nothing_heavy_for_it(tmp_path):
+    (tmp_path / "test_other.py").write_text("def test_other():\n    pass\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FLASHCHECK_", "PYTEST_ADDOPTS"))}
+
+    def loaded(*args):
+        run = subprocess.run([sys.executable, "-c", LOADED, *args], cwd=tmp_path, env=env, capture_output=True,
+                             text=True, timeout=120)
+        return next(line for line in run.stdout.splitlines() if line.startswith("LOADED"))
+
+    alone, with_plugin = loaded("-p", "no:flashcheck"), loaded()
+    # other plugins may import some of these themselves (Hypothesis's own plugin, pytest-benchmark)
+    assert with_plugin == alone, f"expected flashcheck's plugin to add nothing to {alone}, got {with_plugin}"
+    assert "numpy" not in with_plugin and "flashcheck.impls" not in with_plugin, with_plugin
+
+
 def test_a_run_whose_every_kernel_property_was_skipped_fails_unless_allowed(tmp_path):
     _kernel(tmp_path)  # declares no LSE: every LSE property skips
     args = ("--impl", "my_attn.py:attention", "-k", "lse", "-q")
