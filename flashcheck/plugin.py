@@ -1,9 +1,9 @@
 """The pytest plugin (entry point ``pytest11``): ``--impl`` and the kernel properties, from any directory.
 
 - ``--impl SPEC`` (repeatable; or FLASHCHECK_IMPL, comma-separated) names the implementations
-  to test. Their run collects flashcheck's kernel properties wherever pytest runs and only
-  those: every test of the suite that does not take an ``impl`` is a self-test (marker
-  ``selftest``) and is left out.
+  to test. Their run collects flashcheck's kernel properties (properties/, every test of which
+  takes ``impl``) wherever pytest runs, and only those; the suite's own tests (tests/, mutants/,
+  marker ``selftest``) are left out.
 - Without ``--impl``, in a flashcheck checkout, the built-in implementations run, and so do the
   self-tests. Anywhere else the plugin stays out of the way.
 - Each test taking ``impl`` runs once per implementation; a test marked
@@ -25,7 +25,6 @@
 from __future__ import annotations
 
 import os
-import re
 import time
 from pathlib import Path
 
@@ -243,20 +242,14 @@ def pytest_generate_tests(metafunc):
     metafunc.parametrize("impl", [pytest.param(i, id=i.name, marks=_marks(i, needs)) for i in state.impls])
 
 
-def pytest_ignore_collect(collection_path, config):
-    """A plug-in run does not even import the suite's self-test modules (none of their tests takes
-    ``impl``): their imports and module-level skips (no triton here) would be noise in its report."""
-    state = _state(config)
-    path = Path(str(collection_path)).resolve()
-    if state is None or not state.kernel_mode or path.suffix != ".py" or not path.name.startswith("test_") \
-            or path.parent != _properties_dir():
-        return None
-    return None if re.search(r"^def test_\w+\(\s*impl\b", path.read_text(), re.M) else True
-
-
 def _in_suite(item, state) -> bool:
     path = str(Path(str(item.path)).resolve())
     return any(path.startswith(str(d)) for d in state.suite_dirs)
+
+
+def _is_property(item) -> bool:
+    """properties/ holds what runs on a kernel; the suite's own tests live in tests/ (and mutants/)."""
+    return Path(str(item.path)).resolve().parent == _properties_dir()
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m selects, so that -m selftest sees the marker
@@ -266,7 +259,11 @@ def pytest_collection_modifyitems(config, items):
         return
     from flashcheck.impls.call import cuda_available
 
-    selftests = [it for it in items if _in_suite(it, state) and "impl" not in getattr(it, "fixturenames", ())]
+    strays = [it.nodeid for it in items if _is_property(it) and "impl" not in getattr(it, "fixturenames", ())]
+    if strays:
+        raise pytest.UsageError(f"{', '.join(strays)}: a test in properties/ runs on a kernel and takes impl; "
+                                "the suite's own tests live in tests/")
+    selftests = [it for it in items if _in_suite(it, state) and not _is_property(it)]
     for item in selftests:
         item.add_marker(pytest.mark.selftest)
     if state.kernel_mode:  # a plug-in run: kernel properties only, the plainest first

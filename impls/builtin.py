@@ -3,7 +3,7 @@
 A module whose import fails (no torch, no triton, or a bug of ours) is left out rather
 than failing collection, and so is an SDPA backend whose probe call fails; each one left
 out is recorded in UNAVAILABLE with the error, and the suite reports it as a skip
-(properties/test_plugins.py), so nothing vanishes without a line saying why.
+(tests/test_plugins.py), so nothing vanishes without a line saying why.
 """
 import importlib
 

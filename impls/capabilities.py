@@ -46,7 +46,7 @@ def _independent(i: Implementation) -> str | None:
 
     if i.fn is numpy_ref.dense_forward:
         return (f"{i.name} is the oracle's own code: comparing it with the truth is a tautology "
-                "(properties/test_reference.py checks it against independent computations)")
+                "(tests/test_reference.py checks it against independent computations)")
     return None
 
 
@@ -106,7 +106,7 @@ def witness_case(impl: Implementation, issue):
 
 def _witness_fields(case, impl: Implementation) -> list[str]:
     """Each way ``case`` lies outside ``impl``'s declarations, named by the declaration. These are
-    the limits strategies.draw.within fits a drawn case to (properties/test_plugins.py holds the
+    the limits strategies.draw.within fits a drawn case to (tests/test_plugins.py holds the
     two to the same verdict)."""
     i, out = impl, []
     if case.dtype not in i.dtypes:

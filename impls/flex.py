@@ -205,7 +205,7 @@ def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0
 
 
 # Eager FlexAttention costs ~0.1 s a call on CPU: its full property run is opt-in there ("slow",
-# e.g. pytest -m properties --impl flex); properties/test_flex.py pins one case per feature for CI.
+# e.g. pytest -m properties --impl flex); tests/test_flex.py pins one case per feature for CI.
 # Seen on an H200 (torch 2.11) while the softcap was captured as a Python float: a softcap past
 # float16's range (1e6) gave dQ = -inf for float16 inputs. Captured as a float32 tensor (below, for
 # the compile's sake) the gradients are finite: the known issue no longer reproduced on the H200

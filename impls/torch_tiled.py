@@ -3,7 +3,7 @@
 Nothing here ever holds an Sq x Sk matrix: the forward keeps, per query row, a running max
 m, a running sum l of exp(s - m) and an unnormalized output acc, and saves only O and the
 log-sum-exp; the backward recomputes each tile of P from that LSE. Memory for forward plus
-backward therefore grows linearly with sequence length (properties/test_memory.py measures it).
+backward therefore grows linearly with sequence length (tests/test_memory.py measures it).
 
 Layout: query head h reads key/value head h // G, with G = Hq // Hkv. q is viewed as
 (B*Hkv, Sq, G, D), so a query tile [q0, q1) of all G heads of one group is a single

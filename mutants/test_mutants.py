@@ -25,7 +25,7 @@ PRECISION = [(f"mutants/precision.py:{bug}", what) for bug, what in precision.BU
 MUTANTS += PRECISION
 # CI's 15 minutes: the precision kills (1-2 CPU-minutes each, float64 truths at 2048 keys) are
 # opt-in (pytest -m "mutants and slow" -k precision); CI keeps their correct build's false-alarm
-# run and properties/test_oracle_power.py, which rejects the same bug sizes on the rounding model.
+# run and tests/test_oracle_power.py, which rejects the same bug sizes on the rounding model.
 SLOW_KILLS = {spec for spec, _ in PRECISION}
 # The mutants' own correct build is the false-alarm check CI runs; the built-ins pass the
 # main suite already, so repeating them here through the harness is opt-in (slow).

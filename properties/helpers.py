@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import example
+from hypothesis import example, note
 from hypothesis.errors import UnsatisfiedAssumption
 
 from flashcheck.impls import call
@@ -164,3 +164,56 @@ def nondeterminism(impl, case, first: BaseException | None = None) -> str:
 # longer sequences and no float64): they skip in the gpu lane.
 CPU_PROFILES_ONLY = pytest.mark.skipif(fs_draw.limits() is fs_draw.LIMITS["gpu"], reason="self-tests of the "
                                        "strategies run in the CPU lanes, under the limits they assert")
+
+
+def central_differences(case, forward, grads, sinks=None):
+    """For q, k and v (and the sink logits, when given) each, along its own random direction u:
+    (name, numeric, analytic, allowed).
+
+    f(t) = sum(O(x + t u) * dO). The step balances the truncation error, at most
+    (4/3) h^2 kappa^3 G (kappa: how fast the logits move along u; G: sum_i |dO_i| max_j |v_j|),
+    against the rounding of f, about c eps (1 + L) G / h (L: the largest |q|.|k| logit). f is
+    linear in v, so v's derivative has only the rounding term. A softcap c bends the logits on
+    the scale of c: their derivatives along u grow by up to (1 + 1/c) each. A kept fraction
+    1 - p of dropout scales G by 1 / (1 - p). The bound is 4x the optimum.
+    """
+    q, k, v, do = case.inputs()
+    rng = np.random.default_rng(case.seed + 1)
+    vis = case.visible()
+    sc, eps = abs(case.effective_scale), np.finfo(np.float64).eps
+    kk, vv = kv_heads(case, k), kv_heads(case, v)
+    big_l = float((sc * np.abs(q) @ np.abs(np.swapaxes(kk, -1, -2))).max(initial=0))
+    g_size = float((np.abs(do) * np.abs(vv).max(axis=2, keepdims=True)).sum()) / (1 - case.dropout_p)
+    bend = 1 + 1 / case.softcap if case.softcap else 1.0
+    xs = (q, k, v) if sinks is None else (q, k, v, sinks)
+    out = []
+    for i, (name, x, grad) in enumerate(zip(("q", "k", "v", "sinks"), xs, grads)):
+        u = rng.standard_normal(x.shape)
+        moved = list(xs)
+        ds = (sc * u @ np.swapaxes(kk, -1, -2) if name == "q" else
+              sc * q @ np.swapaxes(kv_heads(case, u), -1, -2) if name == "k" else np.zeros(1))
+        kappa = (float(np.abs(u).max()) if name == "sinks" else
+                 bend * float(np.abs(np.where(vis, ds, 0)).max(initial=0)) if name != "v" else 0.0)
+        size = g_size + (float((np.abs(do) * np.abs(kv_heads(case, u)).max(axis=2, keepdims=True)).sum())
+                         / (1 - case.dropout_p) if name == "v" else 0.0)
+        a, b = 4 / 3 * kappa ** 3 * size, 64 * eps * (1 + big_l) * size
+        h = (b / (2 * a)) ** (1 / 3) if a > 0 else 1.0
+        h = min(h, 1.0)
+        bound = 4 * (a * h * h + b / h)
+
+        def f(t):
+            moved[i] = x + t * u
+            return float((forward(*moved) * do).sum())
+
+        numeric = (f(h) - f(-h)) / (2 * h)
+        out.append((name, numeric, float((grad * u).sum()), bound))
+    return out
+
+
+def assert_agree(who, case, checks, slack=(0.0, 0.0, 0.0)):
+    for (name, numeric, analytic, bound), extra in zip(checks, slack):
+        note(f"d{name}: central difference {float(numeric)!r}, analytic {float(analytic)!r}, "
+             f"allowed {bound + extra:.3e}")
+        assert abs(numeric - analytic) <= bound + extra, (
+            f"{who}: d{name} along a random direction: central difference {numeric:.12g}, from the gradient "
+            f"{analytic:.12g}, |diff| {abs(numeric - analytic):.3e} > allowed {bound + extra:.3e}\n  case: {case!r}")

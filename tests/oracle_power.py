@@ -6,9 +6,9 @@ perturbation counts only where its effect is at least 4x that correct kernel's l
 and at least 2 ulps (smaller ones a correct kernel may make); the rate is rejections over counted cases. The correct
 kernel itself, and torch-tiled, must never be rejected.
 
-    python -m flashcheck.properties.oracle_power [N] [--old PATH]   # the table; --old scores another oracle.py
+    python -m tests.oracle_power [N] [--old PATH]   # the table; --old scores another oracle.py
 
-properties/test_oracle_power.py asserts the rates on a smaller sample in CI.
+tests/test_oracle_power.py asserts the rates on a smaller sample in CI.
 """
 from __future__ import annotations
 

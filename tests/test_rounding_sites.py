@@ -10,7 +10,7 @@ import pytest
 
 from flashcheck import oracle as orc
 from flashcheck.impls.rounding import SITES, Precision, Sites, fused
-from flashcheck.properties import oracle_power as op
+from tests import oracle_power as op
 from flashcheck.strategies import REGIMES, AttentionCase as Case
 
 pytestmark = pytest.mark.properties

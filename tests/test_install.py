@@ -7,6 +7,7 @@ torch from the package index alone (README gives the CPU index as the faster opt
 The CI template's steps then run from a scratch kernel repository with that environment first
 on PATH.
 """
+import ast
 import os
 import re
 import subprocess
@@ -47,7 +48,9 @@ def kernel_repo(tmp_path_factory):
     script = quick_start()
     assert "--index-url" not in script and "/path/to/flashcheck" in script, "the quick start must need PyPI alone"
     script = script.replace("/path/to/flashcheck", str(ROOT)).replace("python3 -m venv", f"{sys.executable} -m venv")
-    run = _bash(script + "python -c 'import flashcheck; print(flashcheck.__file__)'\n", repo, _clean_env())
+    shipped = "import flashcheck.properties as p, os; print(sorted(os.listdir(os.path.dirname(p.__file__))))"
+    run = _bash(script + f"python -c '{shipped}'\npython -c 'import flashcheck; print(flashcheck.__file__)'\n", repo,
+                _clean_env())
     return repo, run
 
 
@@ -58,6 +61,10 @@ def test_readme_quick_start_runs_the_kernel_properties_in_a_fresh_venv(kernel_re
     assert re.search(r"\d+ passed", out) and " failed" not in out, out[-3000:]
     installed = run.stdout.strip().splitlines()[-1]
     assert installed.startswith(str(repo / ".venv")), f"flashcheck was not imported from the fresh venv: {installed}"
+    shipped = {n for n in ast.literal_eval(run.stdout.strip().splitlines()[-2]) if n.endswith(".py")}
+    kernel_properties = {p.name for p in (ROOT / "properties").glob("*.py")}
+    assert shipped == kernel_properties, (f"expected the wheel's properties to be the kernel properties "
+                                          f"{sorted(kernel_properties)}, got {sorted(shipped)}")
     assert not (repo / ".hypothesis").exists(), "Hypothesis wrote .hypothesis/ into the kernel's repository"
 
 

@@ -1,11 +1,11 @@
-"""The oracle rejects what it must and nothing else (a smaller run of properties/oracle_power.py)."""
+"""The oracle rejects what it must and nothing else (a smaller run of tests/oracle_power.py)."""
 import functools
 
 import numpy as np
 import pytest
 
 from flashcheck import oracle as orc
-from flashcheck.properties import oracle_power as op
+from tests import oracle_power as op
 from flashcheck.strategies import AttentionCase as Case
 
 pytestmark = pytest.mark.properties
