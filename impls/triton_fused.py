@@ -32,8 +32,8 @@ block_q=None, block_k=None, precision="ieee")``
 - deterministic: no atomics; for GQA the dK/dV program loops over the group's query heads.
 
 Runs on CUDA tensors, or on CPU tensors when TRITON_INTERPRET=1 was set before triton was imported
-(then without bfloat16, which the interpreter computes wrongly). ``make_mutant(bug)`` builds a
-deliberately broken variant for mutation testing; the default build compiles the switch away.
+(then without bfloat16, which the interpreter computes wrongly). ``flash_attention(kernels=...)``
+runs another build of impls/triton_kernels.py's kernels (mutants/triton.py patches its source).
 """
 from __future__ import annotations
 
@@ -261,7 +261,7 @@ def _sink_grad(sinks, lse, delta):
     return -(p * delta).sum(dim=(0, 2))
 
 
-def _forward(q, k, v, align, scale, precision, cfg: _Cfg, bug: int, out=None, feats: _Features | None = None):
+def _forward(q, k, v, align, scale, precision, cfg: _Cfg, kernels=K, out=None, feats: _Features | None = None):
     """out=(o, lse) writes into given buffers (the reliability tests pass NaN-filled ones)."""
     b, hq, sq, d = q.shape
     hkv, sk, dv = k.shape[1], k.shape[2], v.shape[3]
@@ -272,16 +272,16 @@ def _forward(q, k, v, align, scale, precision, cfg: _Cfg, bug: int, out=None, fe
     else:
         o, lse = out
     feats = feats or _features(q, k, align)
-    _launch(K.attn_fwd, lambda bm, bn: (triton.cdiv(sq, bm), b * hq), cfg.fwd,
+    _launch(kernels.attn_fwd, lambda bm, bn: (triton.cdiv(sq, bm), b * hq), cfg.fwd,
             q, k, v, o, lse,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
             hq, hq // hkv, sq, sk, d, dv, feats.off, scale * K.LOG2E_F, **feats.kernel_args(lse),
-            D_PAD=dpad, DV_PAD=dvpad, PAD_D=dpad != d, PAD_DV=dvpad != dv, DOT_PREC=precision, BUG=bug)
+            D_PAD=dpad, DV_PAD=dvpad, PAD_D=dpad != d, PAD_DV=dvpad != dv, DOT_PREC=precision)
     return o, lse
 
 
-def _backward(do, q, k, v, o, lse, align, scale, precision, cfg: _Cfg, bug: int, out=None,
+def _backward(do, q, k, v, o, lse, align, scale, precision, cfg: _Cfg, kernels=K, out=None,
               feats: _Features | None = None):
     """(dq, dk, dv, dsinks or None). out=(delta, dq, dk, dv) writes into given buffers (the reliability
     tests pass NaN-filled ones)."""
@@ -298,18 +298,18 @@ def _backward(do, q, k, v, o, lse, align, scale, precision, cfg: _Cfg, bug: int,
     else:
         delta, dq, dk, dvv = out
     pre_bm = 16 if INTERPRET else 64
-    K.attn_bwd_preprocess[(triton.cdiv(sq, pre_bm), b * hq)](
+    kernels.attn_bwd_preprocess[(triton.cdiv(sq, pre_bm), b * hq)](
         o, do, delta, o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
-        hq, sq, dv, BLOCK_M=pre_bm, DV_PAD=dvpad, PAD_DV=dvpad != dv, BUG=bug)
+        hq, sq, dv, BLOCK_M=pre_bm, DV_PAD=dvpad, PAD_DV=dvpad != dv)
     common = dict(**feats.kernel_args(lse, with_sinks=False), D_PAD=dpad, DV_PAD=dvpad, PAD_D=dpad != d,
-                  PAD_DV=dvpad != dv, DOT_PREC=precision, BUG=bug)
-    _launch(K.attn_bwd_dkdv, lambda bm, bn: (triton.cdiv(sk, bn), b * hkv), cfg.dkdv,
+                  PAD_DV=dvpad != dv, DOT_PREC=precision)
+    _launch(kernels.attn_bwd_dkdv, lambda bm, bn: (triton.cdiv(sk, bn), b * hkv), cfg.dkdv,
             q, k, v, do, lse, delta, dk, dvv,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
             dk.stride(0), dk.stride(1), dk.stride(2), dvv.stride(0), dvv.stride(1), dvv.stride(2),
             hq, hkv, hq // hkv, sq, sk, d, dv, feats.off, scale * K.LOG2E_F, scale, **common)
-    _launch(K.attn_bwd_dq, lambda bm, bn: (triton.cdiv(sq, bm), b * hq), cfg.dq,
+    _launch(kernels.attn_bwd_dq, lambda bm, bn: (triton.cdiv(sq, bm), b * hq), cfg.dq,
             q, k, v, do, lse, delta, dq,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
@@ -321,10 +321,10 @@ def _backward(do, q, k, v, o, lse, align, scale, precision, cfg: _Cfg, bug: int,
 
 class _FlashAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, sinks, align, scale, precision, cfg, bug, feats):
-        o, lse = _forward(q, k, v, align, scale, precision, cfg, bug, feats=feats)
+    def forward(ctx, q, k, v, sinks, align, scale, precision, cfg, kernels, feats):
+        o, lse = _forward(q, k, v, align, scale, precision, cfg, kernels, feats=feats)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.args = (align, scale, precision, cfg, bug)
+        ctx.args = (align, scale, precision, cfg, kernels)
         ctx.feats = feats  # holds sinks and slopes, which autograd hands in unchanged
         ctx.mark_non_differentiable(lse)
         return o, lse
@@ -337,9 +337,10 @@ class _FlashAttention(torch.autograd.Function):
 
 
 def flash_attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, alibi_slopes=None,
-                    sinks=None, block_q=None, block_k=None, precision="ieee", configs=None, bug: int = 0):
+                    sinks=None, block_q=None, block_k=None, precision="ieee", configs=None, kernels=K):
     """The full entry point. ``configs`` overrides launch parameters per kernel, e.g.
-    ``{"fwd": (128, 64, 8, 3)}`` as (BLOCK_M, BLOCK_N, num_warps, num_stages) (used by the benchmark)."""
+    ``{"fwd": (128, 64, 8, 3)}`` as (BLOCK_M, BLOCK_N, num_warps, num_stages) (used by the benchmark);
+    ``kernels`` is the module the Triton kernels come from (a mutant's build)."""
     b, hq, hkv, sq, sk, d, dv = check_inputs(q, k, v, dtypes=DTYPES, who=WHO)
     if INTERPRET and "bfloat16" in (dtype_name(q),):  # pragma: no cover  (check_inputs already refuses)
         raise TypeError(f"{WHO}: the Triton interpreter computes bfloat16 wrongly; not supported there")
@@ -359,10 +360,10 @@ def flash_attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0
         cfg = _fit(cfg, q.element_size(), _pad(d), _pad(dv))
     feats = _features(q, k, align, window, softcap, alibi_slopes, sinks)
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
-    return _FlashAttention.apply(q, k, v, feats.sinks, align, scale, precision, cfg, bug, feats)
+    return _FlashAttention.apply(q, k, v, feats.sinks, align, scale, precision, cfg, kernels, feats)
 
 
-# What triton-fused declares; its mutants declare the same.
+# What triton-fused declares; its mutants (mutants/triton.py) declare the same.
 DECLARED = dict(causal=("bottom_right", "top_left"), dtypes=DTYPES, devices=("cpu",) if INTERPRET else ("cuda",),
                 backward=True, gqa=True, lse=True, framework="torch", blocks=BLOCKS, head_dims=(1, 256),
                 max_seq=INTERPRET_MAX_SEQ, window=True, softcap=True, alibi=True, sinks=True,
@@ -379,33 +380,3 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
     return flash_attention(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap,
                            alibi_slopes=alibi_slopes, sinks=sinks, block_q=block_q, block_k=block_k,
                            precision=precision)
-
-
-MUTANTS = ("no_rescale", "lse_base2", "drop_partial_tile", "bwd_no_delta",
-           "window_off_by_one", "softcap_before_scale", "softcap_no_tanh_grad", "alibi_sign")
-
-
-def make_mutant(bug: str):
-    """A deliberately broken ``attention`` (same signature, same declared capabilities, not registered).
-
-    no_rescale: the online-softmax rescale of the accumulator is skipped;
-    lse_base2: LSE is returned in base 2; drop_partial_tile: the last partial key tile is ignored;
-    bwd_no_delta: the backward drops the rowsum(dO * O) term;
-    window_off_by_one: a window's left edge sits one key too far right (i + Sk - Sq - left + 1);
-    softcap_before_scale: c * tanh(q.k / c) * scale instead of c * tanh(q.k * scale / c);
-    softcap_no_tanh_grad: the backward omits the cap's derivative 1 - tanh^2;
-    alibi_sign: the ALiBi bias is added as +slope * |i + Sk - Sq - j|.
-    """
-    if bug not in MUTANTS:
-        raise ValueError(f"unknown mutant {bug!r}; expected one of {MUTANTS}")
-    code = K.BUGS[bug]
-
-    @implementation(name=f"triton-fused-mutant-{bug}", register=False, **DECLARED)
-    def mutant(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, alibi_slopes=None, sinks=None,
-               block_q=None, block_k=None, precision="ieee"):
-        return flash_attention(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap,
-                               alibi_slopes=alibi_slopes, sinks=sinks, block_q=block_q, block_k=block_k,
-                               precision=precision, bug=code)
-
-    mutant.__name__ = f"attention_mutant_{bug}"
-    return mutant

@@ -20,9 +20,6 @@ Conventions shared by every kernel:
   buffer is read in place and its tail must never leak in);
 - scores are kept in base 2: s2 = (q . k) * scale * log2(e), so softmax uses exp2;
 - LSE is stored in natural log (float32); a row that sees no key stores O = 0, LSE = -inf;
-- BUG is a compile-time switch for mutation testing; 0 (the default build) compiles the
-  mutant branches away. 1 no_rescale, 2 lse_base2, 3 drop_partial_tile, 4 bwd_no_delta,
-  5 window_off_by_one, 6 softcap_before_scale, 7 softcap_no_tanh_grad, 8 alibi_sign.
 - no atomics: every output element is written by exactly one program.
 """
 import triton
@@ -35,8 +32,6 @@ LN2 = tl.constexpr(0.6931471805599453)
 # shape-dependent feature offsets: specializing on them (e.g. divisibility by 16) would only multiply
 # the compiled variants of the feature kernels
 FEATURE_INTS = ["LOFF", "DIAG"]
-BUGS = {"none": 0, "no_rescale": 1, "lse_base2": 2, "drop_partial_tile": 3, "bwd_no_delta": 4,
-        "window_off_by_one": 5, "softcap_before_scale": 6, "softcap_no_tanh_grad": 7, "alibi_sign": 8}
 
 
 @triton.jit
@@ -64,8 +59,7 @@ def _store2d(ptrs, x, rows, n_rows, cols, n_cols, MASK_COLS: tl.constexpr):
 
 
 @triton.jit
-def _key_range(m0, Sk, OFF, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-               BUG: tl.constexpr):
+def _key_range(m0, Sk, OFF, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
     """For the query tile [m0, m0 + BLOCK_M): (end of the unmasked full key tiles, end of keys to visit).
 
     Keys [0, lo) are in bounds and visible to every row of the tile (no mask needed);
@@ -77,8 +71,6 @@ def _key_range(m0, Sk, OFF, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL
     else:
         lo = (Sk // BLOCK_N) * BLOCK_N
         hi = Sk
-    if BUG == 3:  # mutant: the last partial key tile is dropped
-        hi = tl.minimum(hi, (Sk // BLOCK_N) * BLOCK_N)
     return lo, hi
 
 
@@ -111,26 +103,18 @@ def _tanh(x):
 
 
 @triton.jit
-def _logits(qk, qi, kj, qk_scale, cap2, slope2, DIAG, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-            BUG: tl.constexpr):
+def _logits(qk, qi, kj, qk_scale, cap2, slope2, DIAG, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
     """Base-2 logits of the dot products qk of query rows qi with key columns kj (index tensors that
     broadcast to qk's shape), and t = tanh(scaled logit / cap) for the softcap's derivative 1 - t^2."""
     if SOFTCAP:
-        if BUG == 6:  # mutant: the cap applied to the unscaled dot product, the scale after it
-            t = _tanh(qk * (LOG2E / cap2))
-            s = t * (cap2 * qk_scale / LOG2E)
-        else:
-            t = _tanh(qk * (qk_scale / cap2))
-            s = t * cap2
+        t = _tanh(qk * (qk_scale / cap2))
+        s = t * cap2
     else:
         s = qk * qk_scale
         t = s  # unused
     if ALIBI:
         dist = tl.abs(qi + DIAG - kj).to(tl.float32)
-        if BUG == 8:  # mutant: the ALiBi bias added with the wrong sign
-            s = s + slope2 * dist
-        else:
-            s = s - slope2 * dist
+        s = s - slope2 * dist
     return s, t
 
 
@@ -149,7 +133,7 @@ def _slope(SLOPES, ssb, b, h, ALIBI: tl.constexpr):
 def _kv_tile(q, k_base, v_base, skn, svn, offs_n, offs_m, Sk, D, Dv, OFF, qk_scale, LOFF, DIAG, cap2, slope2,
              MASKED: tl.constexpr, CAUSAL: tl.constexpr, LEFT: tl.constexpr, SOFTCAP: tl.constexpr,
              ALIBI: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
-             PAD_D: tl.constexpr, PAD_DV: tl.constexpr, DOT_PREC: tl.constexpr, BUG: tl.constexpr):
+             PAD_D: tl.constexpr, PAD_DV: tl.constexpr, DOT_PREC: tl.constexpr):
     """Load one key/value tile and its base-2 logits (and tanh, see _logits); masked keys (past Sk, or
     outside a row's band) get -inf."""
     offs_d = tl.arange(0, D_PAD)
@@ -157,7 +141,7 @@ def _kv_tile(q, k_base, v_base, skn, svn, offs_n, offs_m, Sk, D, Dv, OFF, qk_sca
     k = _load2d(k_base + offs_n[:, None] * skn + offs_d[None, :], offs_n, Sk, offs_d, D, MASKED, PAD_D)
     v = _load2d(v_base + offs_n[:, None] * svn + offs_dv[None, :], offs_n, Sk, offs_dv, Dv, MASKED, PAD_DV)
     s, t = _logits(tl.dot(q, tl.trans(k), input_precision=DOT_PREC), offs_m[:, None], offs_n[None, :],
-                   qk_scale, cap2, slope2, DIAG, SOFTCAP, ALIBI, BUG)
+                   qk_scale, cap2, slope2, DIAG, SOFTCAP, ALIBI)
     if MASKED:
         keep = offs_n[None, :] < Sk
         if CAUSAL:
@@ -173,14 +157,13 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, skn, svn, lo, hi, offs_m, Sk, D
                LOFF, DIAG, cap2, slope2,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, LEFT: tl.constexpr, SOFTCAP: tl.constexpr,
                ALIBI: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr,
-               DV_PAD: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr, DOT_PREC: tl.constexpr,
-               BUG: tl.constexpr):
+               DV_PAD: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr, DOT_PREC: tl.constexpr):
     offs_n0 = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n0
         k, v, s, _ = _kv_tile(q, k_base, v_base, skn, svn, offs_n, offs_m, Sk, D, Dv, OFF, qk_scale,
                               LOFF, DIAG, cap2, slope2, MASKED, CAUSAL, LEFT, SOFTCAP, ALIBI,
-                              D_PAD, DV_PAD, PAD_D, PAD_DV, DOT_PREC, BUG)
+                              D_PAD, DV_PAD, PAD_D, PAD_DV, DOT_PREC)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         if MASKED:
             # a row that has seen no key yet keeps m = -inf; shift it by 0 so exp2 gives 0, not NaN
@@ -190,8 +173,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, skn, svn, lo, hi, offs_m, Sk, D
         p = tl.exp2(s - m_use[:, None])
         alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if BUG != 1:  # mutant 1 skips the rescale of what earlier tiles accumulated
-            acc = acc * alpha[:, None]
+        acc = acc * alpha[:, None]  # rescale what earlier tiles accumulated to the new max
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
         m_i = m_new
     return acc, l_i, m_i
@@ -204,7 +186,7 @@ def attn_fwd(Q, K, V, O, LSE,
              CAUSAL: tl.constexpr, LEFT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
              HAS_SINKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
              D_PAD: tl.constexpr, DV_PAD: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr,
-             DOT_PREC: tl.constexpr, BUG: tl.constexpr):
+             DOT_PREC: tl.constexpr):
     pid_m = tl.program_id(0)
     if CAUSAL:  # the last query tiles see the most keys: start them first to shorten the tail
         pid_m = tl.num_programs(0) - 1 - pid_m
@@ -221,8 +203,6 @@ def attn_fwd(Q, K, V, O, LSE,
     offs_dv = tl.arange(0, DV_PAD)
     q = _load2d(q_base + offs_m[:, None] * sqm + offs_d[None, :], offs_m, Sq, offs_d, D, True, PAD_D)
     slope2 = _slope(SLOPES, ssb, b, h, ALIBI)
-    if BUG == 5:  # mutant: the window's left edge one key too far right (i + Sk - Sq - left + 1)
-        LOFF = LOFF + 1
 
     if HAS_SINKS:
         # the sink starts each row's running max and sum: exp2(sink - m) = 1 (0 for a sink of -inf)
@@ -232,28 +212,25 @@ def attn_fwd(Q, K, V, O, LSE,
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DV_PAD], tl.float32)
-    lo, hi = _key_range(m0, Sk, OFF, BLOCK_M, BLOCK_N, CAUSAL, BUG)
+    lo, hi = _key_range(m0, Sk, OFF, BLOCK_M, BLOCK_N, CAUSAL)
     if LEFT:
         start, full, lo = _left_edge(m0, LOFF, lo, hi, BLOCK_M, BLOCK_N)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, skn, svn, start, full, offs_m, Sk, D, Dv,
                                    OFF, qk_scale, LOFF, DIAG, cap2, slope2, True, CAUSAL, LEFT, SOFTCAP, ALIBI,
-                                   BLOCK_N, D_PAD, DV_PAD, PAD_D, PAD_DV, DOT_PREC, BUG)
+                                   BLOCK_N, D_PAD, DV_PAD, PAD_D, PAD_DV, DOT_PREC)
     else:
         full = 0
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, skn, svn, full, lo, offs_m, Sk, D, Dv, OFF,
                                qk_scale, LOFF, DIAG, cap2, slope2, False, CAUSAL, LEFT, SOFTCAP, ALIBI,
-                               BLOCK_N, D_PAD, DV_PAD, PAD_D, PAD_DV, DOT_PREC, BUG)
+                               BLOCK_N, D_PAD, DV_PAD, PAD_D, PAD_DV, DOT_PREC)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, skn, svn, lo, hi, offs_m, Sk, D, Dv, OFF,
                                qk_scale, LOFF, DIAG, cap2, slope2, True, CAUSAL, LEFT, SOFTCAP, ALIBI,
-                               BLOCK_N, D_PAD, DV_PAD, PAD_D, PAD_DV, DOT_PREC, BUG)
+                               BLOCK_N, D_PAD, DV_PAD, PAD_D, PAD_DV, DOT_PREC)
 
     seen = l_i > 0.0  # with a finite sink every row has l >= 1: O = 0 where it saw no key, LSE = sink
     l_safe = tl.where(seen, l_i, 1.0)
     o = acc / l_safe[:, None]  # rows that saw nothing have acc = 0, so O = 0
-    if BUG == 2:  # mutant: LSE left in base 2
-        lse = tl.where(seen, m_i + tl.log2(l_safe), float("-inf"))
-    else:
-        lse = tl.where(seen, (m_i + tl.log2(l_safe)) * LN2, float("-inf"))
+    lse = tl.where(seen, (m_i + tl.log2(l_safe)) * LN2, float("-inf"))  # back to natural log
     o_base = O + b * sob + h * soh
     _store2d(o_base + offs_m[:, None] * som + offs_dv[None, :], o.to(O.dtype.element_ty),
              offs_m, Sq, offs_dv, Dv, PAD_DV)
@@ -264,8 +241,7 @@ def attn_fwd(Q, K, V, O, LSE,
 
 @triton.jit
 def attn_bwd_preprocess(O, DO, DELTA, sob, soh, som, sdob, sdoh, sdom, Hq, Sq, Dv,
-                        BLOCK_M: tl.constexpr, DV_PAD: tl.constexpr, PAD_DV: tl.constexpr,
-                        BUG: tl.constexpr):
+                        BLOCK_M: tl.constexpr, DV_PAD: tl.constexpr, PAD_DV: tl.constexpr):
     """delta[b, h, i] = rowsum(dO * O) in float32."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -278,8 +254,6 @@ def attn_bwd_preprocess(O, DO, DELTA, sob, soh, som, sdob, sdoh, sdom, Hq, Sq, D
     do = _load2d(DO + b * sdob + h * sdoh + offs_m[:, None] * sdom + offs_dv[None, :],
                  offs_m, Sq, offs_dv, Dv, True, PAD_DV).to(tl.float32)
     delta = tl.sum(o * do, 1)
-    if BUG == 4:  # mutant: the rowsum(dO * O) term is dropped
-        delta = delta * 0.0
     tl.store(DELTA + pid_bh.to(tl.int64) * Sq + offs_m, delta, mask=offs_m < Sq)
 
 
@@ -297,7 +271,7 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, LSE, DELTA, row_base, sqm, sdom, 
                 Sq, D, Dv, OFF, qk_scale, LOFF, DIAG, cap2, slope2,
                 MASKED: tl.constexpr, CAUSAL: tl.constexpr, LEFT: tl.constexpr, SOFTCAP: tl.constexpr,
                 ALIBI: tl.constexpr, BLOCK_M: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
-                PAD_D: tl.constexpr, PAD_DV: tl.constexpr, DOT_PREC: tl.constexpr, BUG: tl.constexpr):
+                PAD_D: tl.constexpr, PAD_DV: tl.constexpr, DOT_PREC: tl.constexpr):
     offs_m0 = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D_PAD)
     offs_dv = tl.arange(0, DV_PAD)
@@ -307,7 +281,7 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, LSE, DELTA, row_base, sqm, sdom, 
         do = _load2d(do_base + offs_m[:, None] * sdom + offs_dv[None, :], offs_m, Sq, offs_dv, Dv, True, PAD_DV)
         lse2, delta = _row_stats(LSE, DELTA, row_base, offs_m, Sq)
         s_t, t_t = _logits(tl.dot(k, tl.trans(q), input_precision=DOT_PREC), offs_m[None, :], offs_n[:, None],
-                           qk_scale, cap2, slope2, DIAG, SOFTCAP, ALIBI, BUG)  # (BLOCK_N, BLOCK_M)
+                           qk_scale, cap2, slope2, DIAG, SOFTCAP, ALIBI)  # (BLOCK_N, BLOCK_M)
         if MASKED:  # hidden scores go to -inf before exp2, so no inf is ever formed
             if LEFT:
                 keep = offs_n[:, None] >= offs_m[None, :] + LOFF
@@ -320,7 +294,7 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, LSE, DELTA, row_base, sqm, sdom, 
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PREC)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
         ds_t = p_t * (dp_t - delta[None, :])
-        if SOFTCAP and BUG != 7:  # through the cap: d(c tanh(s / c))/ds = 1 - tanh^2 (mutant 7 drops it)
+        if SOFTCAP:  # through the cap: d(c tanh(s / c))/ds = 1 - tanh^2
             ds_t = ds_t * (1.0 - t_t * t_t)
         dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PREC)
     return dk, dv
@@ -334,7 +308,7 @@ def attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV,
                   CAUSAL: tl.constexpr, LEFT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   D_PAD: tl.constexpr, DV_PAD: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr,
-                  DOT_PREC: tl.constexpr, BUG: tl.constexpr):
+                  DOT_PREC: tl.constexpr):
     """One program per (key tile, batch, kv head): loops over the group's query heads and query tiles."""
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -358,8 +332,6 @@ def attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV,
     else:
         lo = 0
         mid = 0
-    if BUG == 5:  # mutant (see attn_fwd)
-        LOFF = LOFF + 1
     if LEFT:
         # by the left edge, queries up to n0 - LOFF see every key of this tile, past n0 + BLOCK_N - 1 - LOFF
         # none: rows [mid, full) run unmasked, [full, end) masked (full is aligned, or Sq, or mid)
@@ -376,14 +348,14 @@ def attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV,
         slope2 = _slope(SLOPES, ssb, b, h, ALIBI)
         dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, LSE, DELTA, row_base, sqm, sdom, lo, mid, offs_n,
                              Sq, D, Dv, OFF, qk_scale, LOFF, DIAG, cap2, slope2, True, CAUSAL, LEFT, SOFTCAP,
-                             ALIBI, BLOCK_M, D_PAD, DV_PAD, PAD_D, PAD_DV, DOT_PREC, BUG)
+                             ALIBI, BLOCK_M, D_PAD, DV_PAD, PAD_D, PAD_DV, DOT_PREC)
         dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, LSE, DELTA, row_base, sqm, sdom, mid, full, offs_n,
                              Sq, D, Dv, OFF, qk_scale, LOFF, DIAG, cap2, slope2, False, CAUSAL, LEFT, SOFTCAP,
-                             ALIBI, BLOCK_M, D_PAD, DV_PAD, PAD_D, PAD_DV, DOT_PREC, BUG)
+                             ALIBI, BLOCK_M, D_PAD, DV_PAD, PAD_D, PAD_DV, DOT_PREC)
         if LEFT:
             dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, LSE, DELTA, row_base, sqm, sdom, full, end,
                                  offs_n, Sq, D, Dv, OFF, qk_scale, LOFF, DIAG, cap2, slope2, True, CAUSAL, LEFT,
-                                 SOFTCAP, ALIBI, BLOCK_M, D_PAD, DV_PAD, PAD_D, PAD_DV, DOT_PREC, BUG)
+                                 SOFTCAP, ALIBI, BLOCK_M, D_PAD, DV_PAD, PAD_D, PAD_DV, DOT_PREC)
     dk = dk * sm_scale
     _store2d(DK + b * sdkb + hk * sdkh + offs_n[:, None] * sdkn + offs_d[None, :], dk.to(DK.dtype.element_ty),
              offs_n, Sk, offs_d, D, PAD_D)
@@ -396,18 +368,17 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, skn, svn, lo, hi, offs_m, 
               LOFF, DIAG, cap2, slope2,
               MASKED: tl.constexpr, CAUSAL: tl.constexpr, LEFT: tl.constexpr, SOFTCAP: tl.constexpr,
               ALIBI: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr,
-              DV_PAD: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr, DOT_PREC: tl.constexpr,
-              BUG: tl.constexpr):
+              DV_PAD: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr, DOT_PREC: tl.constexpr):
     offs_n0 = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n0
         k, v, s, t = _kv_tile(q, k_base, v_base, skn, svn, offs_n, offs_m, Sk, D, Dv, OFF, qk_scale,
                               LOFF, DIAG, cap2, slope2, MASKED, CAUSAL, LEFT, SOFTCAP, ALIBI,
-                              D_PAD, DV_PAD, PAD_D, PAD_DV, DOT_PREC, BUG)
+                              D_PAD, DV_PAD, PAD_D, PAD_DV, DOT_PREC)
         p = tl.exp2(s - lse2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
         ds = p * (dp - delta[:, None])
-        if SOFTCAP and BUG != 7:  # through the cap (see _dkdv_inner)
+        if SOFTCAP:  # through the cap (see _dkdv_inner)
             ds = ds * (1.0 - t * t)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
     return dq
@@ -420,7 +391,7 @@ def attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ,
                 CAUSAL: tl.constexpr, LEFT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 D_PAD: tl.constexpr, DV_PAD: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr,
-                DOT_PREC: tl.constexpr, BUG: tl.constexpr):
+                DOT_PREC: tl.constexpr):
     """One program per (query tile, batch, query head): loops over the key tiles it sees."""
     pid_m = tl.program_id(0)
     if CAUSAL:
@@ -439,8 +410,6 @@ def attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ,
                  True, PAD_DV)
     lse2, delta = _row_stats(LSE, DELTA, pid_bh.to(tl.int64) * Sq, offs_m, Sq)
     slope2 = _slope(SLOPES, ssb, b, h, ALIBI)
-    if BUG == 5:  # mutant (see attn_fwd)
-        LOFF = LOFF + 1
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
     dq = tl.zeros([BLOCK_M, D_PAD], tl.float32)
@@ -449,15 +418,15 @@ def attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ,
         start, full, lo = _left_edge(m0, LOFF, lo, hi, BLOCK_M, BLOCK_N)
         dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, skn, svn, start, full, offs_m, Sk, D, Dv, OFF,
                        qk_scale, LOFF, DIAG, cap2, slope2, True, CAUSAL, LEFT, SOFTCAP, ALIBI,
-                       BLOCK_N, D_PAD, DV_PAD, PAD_D, PAD_DV, DOT_PREC, BUG)
+                       BLOCK_N, D_PAD, DV_PAD, PAD_D, PAD_DV, DOT_PREC)
     else:
         full = 0
     dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, skn, svn, full, lo, offs_m, Sk, D, Dv, OFF, qk_scale,
                    LOFF, DIAG, cap2, slope2, False, CAUSAL, LEFT, SOFTCAP, ALIBI,
-                   BLOCK_N, D_PAD, DV_PAD, PAD_D, PAD_DV, DOT_PREC, BUG)
+                   BLOCK_N, D_PAD, DV_PAD, PAD_D, PAD_DV, DOT_PREC)
     dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, skn, svn, lo, hi, offs_m, Sk, D, Dv, OFF, qk_scale,
                    LOFF, DIAG, cap2, slope2, True, CAUSAL, LEFT, SOFTCAP, ALIBI,
-                   BLOCK_N, D_PAD, DV_PAD, PAD_D, PAD_DV, DOT_PREC, BUG)
+                   BLOCK_N, D_PAD, DV_PAD, PAD_D, PAD_DV, DOT_PREC)
     dq = dq * sm_scale
     _store2d(DQ + b * sdqb + h * sdqh + offs_m[:, None] * sdqm + offs_d[None, :], dq.to(DQ.dtype.element_ty),
              offs_m, Sq, offs_d, D, PAD_D)

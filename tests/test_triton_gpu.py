@@ -82,14 +82,14 @@ def test_nan_poisoned_output_buffers_are_fully_overwritten(dtype, causal, dims):
     scale = 1 / math.sqrt(d)
     cfg = lambda: tf._config(None, None, tf._pad(max(d, dv)))  # noqa: E731
     o, lse = _nan((b, hq, sq, dv), q.dtype), _nan((b, hq, sq), torch.float32)
-    tf._forward(q, k, v, align, scale, "ieee", cfg(), 0, out=(o, lse))
+    tf._forward(q, k, v, align, scale, "ieee", cfg(), out=(o, lse))
     torch.cuda.synchronize()
     assert not torch.isnan(o).any(), "forward left NaN in O"
     assert not torch.isnan(lse).any(), "forward left NaN in LSE"
     ref = _run(tf, q, k, v, do, causal=causal)
     assert torch.equal(o, ref[0]) and torch.equal(lse, ref[1])
     bufs = (_nan((b, hq, sq), torch.float32), _nan(q.shape, q.dtype), _nan(k.shape, k.dtype), _nan(v.shape, v.dtype))
-    tf._backward(do, q, k, v, o, lse, align, scale, "ieee", cfg(), 0, out=bufs)
+    tf._backward(do, q, k, v, o, lse, align, scale, "ieee", cfg(), out=bufs)
     torch.cuda.synchronize()
     for name, x in zip(("delta", "dq", "dk", "dv"), bufs):
         assert not torch.isnan(x).any(), f"backward left NaN in {name}"
