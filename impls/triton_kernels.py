@@ -413,7 +413,7 @@ def attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ,
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
     dq = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-    lo, hi = _key_range(m0, Sk, OFF, BLOCK_M, BLOCK_N, CAUSAL, 0)
+    lo, hi = _key_range(m0, Sk, OFF, BLOCK_M, BLOCK_N, CAUSAL)
     if LEFT:
         start, full, lo = _left_edge(m0, LOFF, lo, hi, BLOCK_M, BLOCK_N)
         dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, skn, svn, start, full, offs_m, Sk, D, Dv, OFF,

@@ -44,8 +44,8 @@ PATCHES = {
     "drop_partial_tile": [("    return lo, hi\n", "    hi = tl.minimum(hi, (Sk // BLOCK_N) * BLOCK_N)\n    return lo, hi\n", 1)],
     "bwd_no_delta": [("    delta = tl.sum(o * do, 1)\n", "    delta = tl.sum(o * do, 1) * 0.0\n", 1)],
     # i + Sk - Sq - left + 1: in the forward, the dQ kernel (after the slopes) and the dK/dV kernel
-    "window_off_by_one": [("    slope2 = _slope(SLOPES, ssb, b, h, ALIBI)\n",
-                           "    slope2 = _slope(SLOPES, ssb, b, h, ALIBI)\n    LOFF = LOFF + 1\n", 2),
+    "window_off_by_one": [("\n    slope2 = _slope(SLOPES, ssb, b, h, ALIBI)\n",
+                           "\n    slope2 = _slope(SLOPES, ssb, b, h, ALIBI)\n    LOFF = LOFF + 1\n", 2),
                           ("        mid = 0\n    if LEFT:\n", "        mid = 0\n    LOFF = LOFF + 1\n    if LEFT:\n", 1)],
     # c tanh(q.k / c) scale instead of c tanh(q.k scale / c)
     "softcap_before_scale": [("        t = _tanh(qk * (qk_scale / cap2))\n        s = t * cap2\n",
