@@ -99,7 +99,7 @@ def rounding_model():
 
 def real_failure():
     from flashcheck.impls import load
-    from flashcheck.report import check_entries
+    from flashcheck.oracle import entries as check_entries
     from flashcheck.strategies import AttentionCase
 
     impl = load(str(HERE.parent / "mutants" / "tiled.py") + ":causal_per_tile")

@@ -226,6 +226,9 @@ def allowed(case: AttentionCase, name: str) -> tuple[np.ndarray, float]:
     return _rounding_bounds(case)[name] + floor, float(model_err.max(initial=0.0))
 
 
+TRUTH = "the float64 truth"
+
+
 def max_error(got, want, dtype):
     """Largest error over the entries whose truth the dtype can hold (others must overflow)."""
     held = np.isfinite(quantize(want, dtype)) & np.isfinite(got)
@@ -234,57 +237,84 @@ def max_error(got, want, dtype):
     return float(err.max(initial=0.0))
 
 
+@dataclass
+class Entries:
+    """Entry by entry, one result against what it is held to (the truth, or another run's result)."""
+
+    name: str
+    want: np.ndarray
+    got: np.ndarray
+    err: np.ndarray
+    limit: np.ndarray
+    nonfinite: np.ndarray  # finite where the truth is held, or the wrong infinity
+    wrong: np.ndarray  # nonfinite, or off by more than the limit
+    against: str = TRUTH
+
+
+def entries(case: AttentionCase, name: str, got: np.ndarray, want: np.ndarray | None = None,
+            budget=None) -> Entries:
+    """``got`` against the truth (or ``want``) for result ``name``, each entry under its bound (or
+    ``budget``). A truth beyond the dtype's range must come back as the infinity it rounds to (an
+    LSE of -inf for a row that sees no key, an fp16 gradient past 65504); the rest finite."""
+    against = TRUTH if want is None else "the result it is compared with"
+    want = truth(case)[name] if want is None else want
+    limit = np.broadcast_to(allowed(case, name)[0] if budget is None else budget, want.shape)
+    stored = quantize(want, result_dtype(case.dtype, name))
+    with np.errstate(invalid="ignore"):
+        err = np.where(np.isinf(stored), 0.0, np.abs(got - want))
+        nonfinite = (np.isfinite(stored) & ~np.isfinite(got)) | (np.isinf(stored) & (got != stored))
+        wrong = nonfinite | (np.isfinite(stored) & ~(err <= limit))
+    return Entries(name, want, got, err, limit, nonfinite, wrong, against)
+
+
 def compare(case: AttentionCase, name: str, got: np.ndarray, want: np.ndarray | None = None,
             budget=None, who: str = "") -> None:
-    """Assert ``got`` matches the truth (or ``want``) for result ``name`` under the rule.
+    """Assert ``got`` matches the truth (or ``want``) for result ``name`` under the rule; a failure
+    raises a Mismatch that carries the entries, for the report.
 
     ``budget`` (a number or an array of the result's shape) replaces the allowed error, for
     comparisons between two runs of one kernel.
     """
     against_truth = want is None
     source = "the float64 reference itself" if want is None else "the implementation's own result it is compared with"
-    want = truth(case)[name] if want is None else want
-    tol, model_err = allowed(case, name)
-    tol = tol if budget is None else budget
+    expected = truth(case)[name] if want is None else want
     label = f"{who} {name}".strip()
-    if got.shape != want.shape:
-        raise AssertionError(f"{label}: expected shape {want.shape}, got {got.shape}\n  case: {case!r}")
-    if np.isnan(want).any():
+    if got.shape != expected.shape:
+        raise AssertionError(f"{label}: expected shape {expected.shape}, got {got.shape}\n  case: {case!r}")
+    if np.isnan(expected).any():
         raise AssertionError(f"{label}: {source} holds NaN at "
-                             f"{tuple(int(i) for i in np.argwhere(np.isnan(want))[0])}\n  case: {case!r}")
-    # A truth beyond the dtype's range must come back as the infinity it rounds to (an LSE
-    # of -inf for a row that sees no key, an fp16 gradient past 65504); the rest finite.
-    stored = quantize(want, result_dtype(case.dtype, name))
-    bad_nonfinite = np.isfinite(stored) & ~np.isfinite(got)
-    inf_mismatch = np.isinf(stored) & (got != stored)
-    if bad_nonfinite.any() or inf_mismatch.any():
-        idx = tuple(int(i) for i in np.argwhere(bad_nonfinite | inf_mismatch)[0])
-        raise AssertionError(f"{label}: non-finite mismatch at {idx}: expected {stored[idx]!r}, got {got[idx]!r} "
-                             f"({int((bad_nonfinite | inf_mismatch).sum())} such entries)\n  case: {case!r}")
-    with np.errstate(invalid="ignore"):
-        err = np.where(np.isinf(stored), 0.0, np.abs(got - want))
-    limit = np.broadcast_to(tol, err.shape)
-    if not (err <= limit).all():
+                             f"{tuple(int(i) for i in np.argwhere(np.isnan(expected))[0])}\n  case: {case!r}")
+    e = entries(case, name, got, want, budget)
+    tail = f"  case: {case!r}"
+    if e.nonfinite.any():
+        idx = tuple(int(i) for i in np.argwhere(e.nonfinite)[0])
+        stored = quantize(e.want, result_dtype(case.dtype, name))
+        raise Mismatch(f"{label}: non-finite mismatch at {idx}: expected {stored[idx]!r}, got {got[idx]!r} "
+                       f"({int(e.nonfinite.sum())} such entries)\n", lambda: "", tail, case=case, entries=e)
+    if e.wrong.any():
+        err, limit = e.err, e.limit
         idx = tuple(int(i) for i in np.unravel_index(np.argmax(err / np.maximum(limit, 1e-300)), err.shape))
-        over = int((err > limit).sum())
-        rel = err[idx] / max(abs(float(want[idx])), 1e-300)
-        head = (f"{label}: {over} of {err.size} entries off by more than allowed; worst at {idx}: expected "
-                f"{float(want[idx])!r}, got {float(got[idx])!r}, error {err[idx]:.3e} (relative {rel:.2e}) > "
-                f"allowed {limit[idx]:.3e} ({err[idx] / max(limit[idx], 1e-300):.3g}x)\n"
+        rel = err[idx] / max(abs(float(e.want[idx])), 1e-300)
+        model_err = allowed(case, name)[1]
+        head = (f"{label}: {int(e.wrong.sum())} of {err.size} entries off by more than allowed; worst at {idx}: "
+                f"expected {float(e.want[idx])!r}, got {float(got[idx])!r}, error {err[idx]:.3e} (relative "
+                f"{rel:.2e}) > allowed {limit[idx]:.3e} ({err[idx] / max(limit[idx], 1e-300):.3g}x)\n"
                 f"  rule: {case.precision} {case.dtype} rounding model (its own largest error {model_err:.3e})\n")
         hint = (lambda: explain(case, name, got, err)) if against_truth and budget is None else (lambda: "")
-        raise Mismatch(head, hint, f"  case: {case!r}")
+        raise Mismatch(head, hint, tail, case=case, entries=e)
     if against_truth and budget is None:
-        check_bias(case, name, got, want, label)
+        check_bias(case, name, got, expected, label)
 
 
 class Mismatch(AssertionError):
-    """A result off by more than allowed. The lines that explain the error in terms of rounding
-    (``explain``) cost a few more bounds; they are computed when the message is read, so the many
-    failing examples Hypothesis tries while it shrinks do not pay for them."""
+    """A result off by more than allowed, with the case and the entries it was judged on, which the
+    report reads. The lines that explain the error in terms of rounding (``explain``) cost a few
+    more bounds; they are computed when the message is read, so the many failing examples
+    Hypothesis tries while it shrinks do not pay for them."""
 
-    def __init__(self, head: str, hint, tail: str):
+    def __init__(self, head: str, hint, tail: str, *, case: AttentionCase, entries: Entries):
         super().__init__(head + tail)
+        self.case, self.entries = case, entries
         self._parts, self._hint, self._text = (head, tail), hint, None
 
     def __str__(self):

@@ -11,6 +11,8 @@
 The case comes first, as code, exactly as the property saw it; then the worst entry; then
 where the wrong entries are (query rows for O, LSE and dQ; keys for dK and dV; ``|`` marks
 the implementation's tiles when it declares blocks or tiles); then the command that replays it.
+The entries are those the oracle judged (``oracle.Mismatch`` carries them and its case): nothing
+is parsed back from the message and the kernel is not called again.
 The whole message and traceback go to failure.txt in the reproducer folder, with a
 heatmap of the error (error.png) where matplotlib is installed.
 """
@@ -24,11 +26,9 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from flashcheck.impls.rounding import RESULTS as _RESULTS
+from flashcheck.oracle import TRUTH, Mismatch
 from flashcheck.strategies import AttentionCase
-from flashcheck.strategies.case import CASE_PATTERN
 
-RESULTS = (*_RESULTS, "dsinks")  # and the sinks' gradient, which a failure may name
 MAP_WIDTH = 96  # characters of a row/key map before positions are grouped
 
 try:
@@ -59,38 +59,6 @@ def _first_error(exc: BaseException) -> BaseException:
 
 
 @dataclass
-class Entries:
-    """Entry-by-entry verdict on one result against dense float64 attention."""
-
-    name: str
-    want: np.ndarray
-    got: np.ndarray
-    err: np.ndarray
-    limit: np.ndarray
-    wrong: np.ndarray
-
-
-def check_entries(case, name, got) -> Entries:
-    """Each entry of ``got`` against the oracle's truth and bound for it.
-
-    Mirrors oracle.compare entry by entry (its per-entry bound; a non-finite entry where the
-    truth is finite, or the wrong infinity, is wrong).
-    """
-    from flashcheck import oracle as orc
-    from flashcheck.strategies import quantize
-
-    want = orc.truth(case)[name]
-    dtype = orc.result_dtype(case.dtype, name)
-    stored = quantize(want, dtype)
-    limit = np.broadcast_to(orc.allowed(case, name)[0], want.shape)
-    with np.errstate(invalid="ignore"):
-        err = np.where(np.isinf(stored), 0.0, np.abs(got - want))
-        wrong = ((np.isfinite(stored) & ~np.isfinite(got)) | (np.isinf(stored) & (got != stored))
-                 | (np.isfinite(stored) & ~(err <= limit)))
-    return Entries(name, want, got, err, limit, wrong)
-
-
-@dataclass
 class Failure:
     impl: object
     test: str
@@ -98,7 +66,7 @@ class Failure:
     error: BaseException
     full_message: str
     pin: AttentionCase | None = None  # the pinned @example the case was shrunk from
-    entries: Entries | None = None
+    entries: object = None  # flashcheck.oracle.Entries of the comparison that failed
     params: str = ""  # the test's other parameters (e.g. which malformed input)
 
     @classmethod
@@ -111,20 +79,15 @@ class Failure:
             full += f"\nshrunk from the pinned example {pin.pin!r} to {pin.case!r}:\n"
             full += "".join(traceback.format_exception(pin.error))
         full = plain_numbers(full)
-        named = CASE_PATTERN.findall(str(error))
+        # the oracle's own verdict carries its case and entries; any other failure is about the case
+        # the property drew and fitted last
         last = fs_draw.LAST_FITTED[0]
-        case = None
-        if named:
-            case = eval(named[-1], {"AttentionCase": AttentionCase})
-        elif last is not None and last[0] is impl:
-            case = last[1]
+        mismatch = error if isinstance(error, Mismatch) else None
+        case = mismatch.case if mismatch is not None else last[1] if last is not None and last[0] is impl else None
         params = "-".join(str(v) for k, v in getattr(getattr(item, "callspec", None), "params", {}).items()
                           if k != "impl" and isinstance(v, (str, int, float)))
-        failure = cls(impl, item.name.split("[")[0], case, error, full, pin.pin if pin is not None else None,
-                      params=params)
-        if case is not None and isinstance(error, AssertionError):
-            failure.entries = _rerun(impl, case, str(error))
-        return failure
+        return cls(impl, item.name.split("[")[0], case, error, full, pin.pin if pin is not None else None,
+                   entries=mismatch.entries if mismatch is not None else None, params=params)
 
     def render(self, where) -> str:
         impl, err = self.impl, self.error
@@ -212,38 +175,11 @@ def suite_raised(exc: BaseException) -> bool:
     return False
 
 
-def _rerun(impl, case, message: str) -> Entries | None:
-    """Run the implementation again on the case and find the result the failure is about."""
-    from flashcheck.impls import call
-
-    if case.dropout_p > 0:  # the truth with dropout depends on the kernel's own mask: the message stands
-        return None
-
-    try:
-        q, k, v, do = case.inputs()
-        res = call.run(impl, case, q, k, v, do if impl.has_backward else None)
-    except Exception:  # noqa: BLE001  (the property's own message stands)
-        return None
-    named = re.search(rf"{re.escape(impl.name)}[^:\n]*?\b({'|'.join(RESULTS)}):", message)
-    order = ([named.group(1)] if named else []) + [n for n in RESULTS if not named or n != named.group(1)]
-    for name in order:
-        got = getattr(res, name)
-        if got is None:
-            continue
-        try:
-            entries = check_entries(case, name, got)
-        except Exception:  # noqa: BLE001  (a shape the oracle cannot hold: the message says so)
-            continue
-        if entries.wrong.any():
-            return entries
-    return None  # right against dense attention here: the property's own check is what failed
-
-
 def _fmt(x, digits: int = 6) -> str:
     return f"{float(x):.{digits}g}"
 
 
-def _describe(e: Entries, case, impl) -> list[str]:
+def _describe(e, case, impl) -> list[str]:
     ratio = np.where(e.wrong, np.where(np.isfinite(e.err), e.err / np.maximum(e.limit, 1e-300), np.inf), -1.0)
     idx = tuple(int(i) for i in np.unravel_index(np.argmax(ratio), ratio.shape))
     digits = 6 if _fmt(e.want[idx]) != _fmt(e.got[idx]) else 17  # a rounding-sized error needs every digit
@@ -251,7 +187,8 @@ def _describe(e: Entries, case, impl) -> list[str]:
     # nonetheless whole, not rounding
     relative = (f", relative error {e.err[idx] / abs(e.want[idx]):.3g}"
                 if np.isfinite(e.err[idx]) and e.want[idx] != 0 and np.isfinite(e.want[idx]) else "")
-    lines = [f"  {e.name}[{', '.join(map(str, idx))}]: expected {_fmt(e.want[idx], digits)}, "
+    against = "" if e.against == TRUTH else f" ({e.against})"
+    lines = [f"  {e.name}[{', '.join(map(str, idx))}]: expected {_fmt(e.want[idx], digits)}{against}, "
              f"got {_fmt(e.got[idx], digits)} "
              f"(error {e.err[idx]:.3g}{relative}, allowed {e.limit[idx]:.3g}); {int(e.wrong.sum())} of "
              f"{e.wrong.size} entries wrong"]

@@ -287,13 +287,13 @@ def test_the_examples_are_self_contained(tmp_path):
 
 def _failure_with_rows_wrong(rows, blocks, tiles=None, block=4):
     from flashcheck import oracle as orc
-    from flashcheck.report import Failure, check_entries
+    from flashcheck.report import Failure
 
     impl = _torch_kernel(lambda q, k, v, **_: q, blocks=blocks, tiles=tiles)
     case = Case(sq=8, sk=8, d=2, dv=3, block_q=block, block_k=block)
     got = orc.truth(case).o.copy()
     got[:, :, rows, 1] += 1.0
-    entries = check_entries(case, "o", got)
+    entries = orc.entries(case, "o", got)
     return Failure(impl, "test_x", case, AssertionError("misused o: wrong"), "", entries=entries)
 
 
