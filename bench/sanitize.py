@@ -23,7 +23,7 @@ def child():
     import numpy as np
     import torch
 
-    from flashcheck.impls import numpy_ref
+    from flashcheck.oracle import reference
     from flashcheck.impls.triton_fused import attention
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -43,8 +43,8 @@ def child():
         o.backward(do)
         torch.cuda.synchronize()
         qn, kn, vn, don = (x.double().cpu().numpy() for x in (q, k, v, do))
-        o_r, lse_r = numpy_ref.dense_forward(qn, kn, vn, causal=causal)
-        refs = (o_r, lse_r) + numpy_ref.dense_backward(qn, kn, vn, o_r, lse_r, don, causal=causal)
+        o_r, lse_r = reference.dense_forward(qn, kn, vn, causal=causal)
+        refs = (o_r, lse_r) + reference.dense_backward(qn, kn, vn, o_r, lse_r, don, causal=causal)
         for got, ref in zip((o, lse, qg.grad, kg.grad, vg.grad), refs):
             got = got.detach().double().cpu().numpy()
             fin = np.isfinite(ref)

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from flashcheck.impls import numpy_ref  # noqa: E402
+from flashcheck.oracle import reference  # noqa: E402
 from flashcheck.impls.triton_fused import flash_attention  # noqa: E402
 from mutants.triton import make_mutant  # noqa: E402
 
@@ -45,13 +45,13 @@ def case(dev, dtype, b, hq, hkv, sq, sk, d, dv, causal, scale, bq, bk, rng, fn=f
     v = torch.from_numpy(rng.standard_normal((b, hkv, sk, dv))).to(tdt)
     do = torch.from_numpy(rng.standard_normal((b, hq, sq, dv))).to(tdt)
     qn, kn, vn, don = (x.double().numpy() for x in (q, k, v, do))
-    o_ref, lse_ref = numpy_ref.dense_forward(qn, kn, vn, causal=causal, scale=scale)
+    o_ref, lse_ref = reference.dense_forward(qn, kn, vn, causal=causal, scale=scale)
     qt, kt, vt = (x.to(dev).requires_grad_(grad) for x in (q, k, v))
     o, lse = fn(qt, kt, vt, causal=causal, scale=scale, block_q=bq, block_k=bk)
     errs = {"o": rel(o.detach().double().cpu(), o_ref), "lse": rel(lse.double().cpu(), lse_ref)}
     if grad:
         o.backward(do.to(dev))
-        g_ref = numpy_ref.dense_backward(qn, kn, vn, o_ref, lse_ref, don, causal=causal, scale=scale)
+        g_ref = reference.dense_backward(qn, kn, vn, o_ref, lse_ref, don, causal=causal, scale=scale)
         for name, t, r in zip(("dq", "dk", "dv"), (qt, kt, vt), g_ref):
             errs[name] = rel(t.grad.double().cpu(), r)
     return errs

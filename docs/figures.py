@@ -98,13 +98,13 @@ def rounding_model():
 
 
 def real_failure():
-    from flashcheck.impls import load
+    from flashcheck.contract import load
     from flashcheck.oracle import entries as check_entries
     from flashcheck.strategies import AttentionCase
 
     impl = load(str(HERE.parent / "mutants" / "tiled.py") + ":causal_per_tile")
     case = AttentionCase(sq=12, sk=12, d=4, dv=6, causal="bottom_right", block_q=4, block_k=4, seed=3)
-    from flashcheck.impls import call
+    from flashcheck.contract import call
 
     res = call.run(impl, case, *case.inputs()[:3])
     e = check_entries(case, "o", res.o)

@@ -12,7 +12,7 @@ import math
 import numpy as np
 
 from flashcheck import implementation
-from flashcheck.impls.checks import check_inputs
+from flashcheck.contract.checks import check_inputs
 
 BLOCK = 4
 

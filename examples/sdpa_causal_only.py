@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashcheck import implementation
-from flashcheck.impls.checks import check_inputs
+from flashcheck.contract.checks import check_inputs
 
 DTYPES = ("float32", "float64")
 

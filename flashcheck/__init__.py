@@ -4,22 +4,14 @@ A kernel module needs only this import, the same in a checkout and in an install
 
     from flashcheck import implementation, KnownIssue
 
-The installed package maps the repository's top-level folders into one namespace
-(pyproject.toml): impls/ -> flashcheck.impls, strategies/ -> flashcheck.strategies,
-properties/ -> flashcheck.properties, so nothing generic like ``impls`` or ``oracle``
+The repository's top-level folders impls/, strategies/ and properties/ are linked into this
+package (flashcheck/impls -> ../impls, ...), so each of their files has one module name,
+flashcheck.impls.<file>, in a checkout and in an install, and nothing generic like ``impls``
 lands in site-packages beside a kernel repository's own modules.
 """
-from pathlib import Path as _Path
-
-_CHECKOUT = _Path(__file__).resolve().parent.parent
-if (_CHECKOUT / "impls" / "__init__.py").is_file() and (_CHECKOUT / "pyproject.toml").is_file():
-    # A checkout used in place (pytest.ini's pythonpath = .): its top-level folders are this
-    # package's subpackages, exactly as an install lays them out.
-    __path__.append(str(_CHECKOUT))
-
 __version__ = "0.2.0"
 __all__ = ["AttentionCase", "ContractError", "Implementation", "KnownIssue", "implementation", "load"]
-_FROM = {"AttentionCase": "flashcheck.strategies", **{n: "flashcheck.impls" for n in __all__[1:]}}
+_FROM = {"AttentionCase": "flashcheck.strategies", **{n: "flashcheck.contract" for n in __all__[1:]}}
 
 
 def __getattr__(name):

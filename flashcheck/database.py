@@ -21,7 +21,7 @@ from hypothesis.database import DirectoryBasedExampleDatabase, ExampleDatabase
 
 def key_of(impl) -> str:
     """A folder name per implementation: its name plus a digest of where it was loaded from."""
-    from flashcheck.impls import origin_of
+    from flashcheck.contract import origin_of
 
     digest = hashlib.sha1(origin_of(impl)["spec"].encode()).hexdigest()[:10]
     return f"{re.sub(r'[^A-Za-z0-9_.-]', '_', impl.name)}-{digest}"

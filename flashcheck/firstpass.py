@@ -52,12 +52,13 @@ def candidates(items, impl_of) -> list:
 
 def fails_at_once(item, impl, setup, teardown) -> bool:
     """Does the property fail on its pins (one coverage pin of them) or, without pins, on one generated case?"""
-    from flashcheck.strategies import draw as fs_draw
+    from flashcheck.strategies import context
 
     setup(item)
-    fs_draw.FIRST_PASS[0] = True
+    test = context.current()
+    test.first_pass = True
     try:
-        with one_example(item.obj, pinned=bool(fs_draw.PINS[0])), contextlib.redirect_stdout(io.StringIO()), \
+        with one_example(item.obj, pinned=bool(test.pins)), contextlib.redirect_stdout(io.StringIO()), \
                 contextlib.redirect_stderr(io.StringIO()), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             item.obj(impl=impl)
@@ -66,8 +67,6 @@ def fails_at_once(item, impl, setup, teardown) -> bool:
     except Exception:  # noqa: BLE001  (any failure, of the kernel or of the property, runs that property first)
         return True
     finally:
-        fs_draw.FIRST_PASS[0] = False
-        fs_draw.PIN_REPORTS.clear()
         teardown(item)
     return False
 

@@ -8,7 +8,7 @@
   self-tests. Anywhere else the plugin stays out of the way.
 - Each test taking ``impl`` runs once per implementation; a test marked
   ``@pytest.mark.requires("lse")`` (etc.) is skipped, with the reason, where the capability
-  is not declared (flashcheck.impls.capabilities). A property none of whose drawn cases fits
+  is not declared (flashcheck.contract.capabilities). A property none of whose drawn cases fits
   the declarations is skipped with them; one input that gave two verdicts (Hypothesis's
   FlakyFailure) is reported as nondeterminism, or as an error that did not recur when the first
   call raised or failed to compile (properties/helpers.py); an ``@example`` pin refitted to the
@@ -112,8 +112,8 @@ def pytest_configure(config):
     profile = _load_profile(config)
     if os.environ.get("FLASHCHECK_PROPERTY_SECONDS"):
         _seconds(os.environ["FLASHCHECK_PROPERTY_SECONDS"])  # a bad value stops the run before it starts
-    from flashcheck.impls import ContractError, builtins, load
-    from flashcheck.impls.call import device_for
+    from flashcheck.contract import ContractError, builtins, load
+    from flashcheck.contract.call import device_for
     from flashcheck.strategies import buckets, draw as fs_draw
 
     try:
@@ -160,14 +160,14 @@ def _collect_kernel_properties(config):
 def _switch_triton_interpreter():
     """Without CUDA, Triton kernels still run, slowly, in Triton's CPU interpreter; it must be
     switched on before triton is imported. TRITON_INTERPRET=0 opts out."""
-    from flashcheck.impls.call import cuda_available
+    from flashcheck.contract.call import cuda_available
 
     if "TRITON_INTERPRET" not in os.environ and not cuda_available():
         os.environ["TRITON_INTERPRET"] = "1"
 
 
 def _load_profile(config):
-    from flashcheck.impls.call import cuda_available
+    from flashcheck.contract.call import cuda_available
     from flashcheck.strategies import profiles
 
     name = config.getoption("hypothesis_profile", None) or profiles.default_profile()
@@ -222,8 +222,8 @@ def _state(config) -> State | None:
 
 
 def _marks(impl, needs):
-    from flashcheck.impls import capabilities
-    from flashcheck.impls.call import device_for
+    from flashcheck.contract import capabilities
+    from flashcheck.contract.call import device_for
 
     marks = [getattr(pytest.mark, tag) for tag in impl.tags]
     if "cpu" not in impl.devices:
@@ -252,12 +252,30 @@ def _is_property(item) -> bool:
     return Path(str(item.path)).resolve().parent == _properties_dir()
 
 
+def pytest_pycollect_makemodule(module_path, parent):
+    """A kernel property file is imported by its one name, flashcheck.properties.<file>: in a
+    checkout, pytest would otherwise name it after the folder (properties.<file>), a second module
+    made from the same file, with its own copy of every global."""
+    if Path(str(module_path)).resolve().parent == _properties_dir():
+        return _KernelProperties.from_parent(parent, path=module_path)
+    return None
+
+
+class _KernelProperties(pytest.Module):
+    def _getobj(self):
+        import importlib
+
+        module = importlib.import_module(f"flashcheck.properties.{self.path.stem}")
+        self.config.pluginmanager.consider_module(module)
+        return module
+
+
 @pytest.hookimpl(tryfirst=True)  # before -m selects, so that -m selftest sees the marker
 def pytest_collection_modifyitems(config, items):
     state = _state(config)
     if state is None:
         return
-    from flashcheck.impls.call import cuda_available
+    from flashcheck.contract.call import cuda_available
 
     strays = [it.nodeid for it in items if _is_property(it) and "impl" not in getattr(it, "fixturenames", ())]
     if strays:
@@ -314,17 +332,16 @@ def pytest_runtestloop(session):
 
 def pytest_runtest_setup(item):
     from flashcheck.database import PerImplementation, key_of
-    from flashcheck.strategies import AttentionCase
-    from flashcheck.strategies import draw as fs_draw
+    from flashcheck.strategies import AttentionCase, context
 
-    fs_draw.LAST_FITTED[0] = fs_draw.LAST_REFUSAL[0] = None
-    pins = getattr(getattr(item, "function", None), "hypothesis_explicit_examples", ())
-    fs_draw.PINS[0] = frozenset(v for pin in pins for v in pin.kwargs.values() if isinstance(v, AttentionCase))
-    fs_draw.PIN_REPORTS.clear()
+    test = getattr(item, "function", None)
+    pins = getattr(test, "hypothesis_explicit_examples", ())
     impl = _impl_of(item)
-    fs_draw.DRAWING_FOR[0] = impl  # the strategies draw lengths around its declared tiles
     seconds = os.environ.get("FLASHCHECK_PROPERTY_SECONDS")
-    fs_draw.BUDGET[0] = time.monotonic() + _seconds(seconds) if seconds and impl is not None else None
+    context.begin(impl=impl, pins=frozenset(v for pin in pins for v in pin.kwargs.values()
+                                            if isinstance(v, AttentionCase)),
+                  coverage=getattr(test, "flashcheck_coverage", frozenset()),
+                  budget=time.monotonic() + _seconds(seconds) if seconds and impl is not None else None)
     PerImplementation.current = key_of(impl) if impl is not None and _state(item.config) else None
 
 
@@ -340,10 +357,10 @@ def _seconds(text: str) -> float:
 
 def pytest_runtest_teardown(item):
     from flashcheck.database import PerImplementation
-    from flashcheck.strategies import draw as fs_draw
+    from flashcheck.strategies import context
 
     PerImplementation.current = None
-    fs_draw.DRAWING_FOR[0] = fs_draw.BUDGET[0] = None
+    context.end()
 
 
 @pytest.hookimpl(wrapper=True)
@@ -351,29 +368,30 @@ def pytest_pyfunc_call(pyfuncitem):
     """Say what Hypothesis's own errors mean for a kernel, and report @example pins not run as written."""
     from hypothesis.errors import FailedHealthCheck, FlakyFailure, Unsatisfiable
 
-    from flashcheck.strategies import draw as fs_draw
+    from flashcheck.strategies import context, draw as fs_draw
 
     impl = _impl_of(pyfuncitem) if _state(pyfuncitem.config) is not None else None
+    test = context.current()
     try:
         return (yield)
     except (FailedHealthCheck, Unsatisfiable) as exc:
         if impl is None or not (isinstance(exc, Unsatisfiable) or "filter_too_much" in str(exc)):
             raise
-        from flashcheck.impls import capabilities
+        from flashcheck.contract import capabilities
 
         # Every case drawn for this property fell outside what the implementation declares.
         pytest.skip(f"{impl.name}: no case this property draws fits its declarations ({capabilities.declared(impl)})"
-                    + (f"; last refusal: {fs_draw.LAST_REFUSAL[0]}" if fs_draw.LAST_REFUSAL[0] else ""))
+                    + (f"; last refusal: {test.last_refusal}" if test.last_refusal else ""))
     except FlakyFailure as exc:
-        last = fs_draw.LAST_FITTED[0]
+        last = test.last_fitted
         if impl is None or last is None:
             raise
-        from flashcheck.properties import helpers as ph
+        from flashcheck import report
 
-        raise AssertionError(ph.nondeterminism(impl, last[1], first=(exc.exceptions or [None])[0])) from exc
+        raise AssertionError(report.nondeterminism(impl, last[1], first=(exc.exceptions or [None])[0])) from exc
     finally:
-        if fs_draw.PIN_REPORTS and _pins_are_news(pyfuncitem):
-            pyfuncitem.warn(fs_draw.PinNotAsWritten(f"{impl.name if impl else ''}: " + "; ".join(fs_draw.PIN_REPORTS)))
+        if test.pin_reports and _pins_are_news(pyfuncitem):
+            pyfuncitem.warn(fs_draw.PinNotAsWritten(f"{impl.name if impl else ''}: " + "; ".join(test.pin_reports)))
 
 
 def _pins_are_news(item) -> bool:
@@ -421,7 +439,7 @@ def pytest_runtest_makereport(item, call):
     if not rep.failed or call.excinfo is None:
         return rep
     from flashcheck import report
-    from flashcheck.impls import origin_of
+    from flashcheck.contract import origin_of
 
     failure = report.Failure.of(item, impl, call.excinfo.value, getattr(item, "flashcheck_pin", None))
 
@@ -451,7 +469,7 @@ def slow_warning(name: str, calls: int, seconds: float) -> str | None:
 
 
 def _warn_if_slow(item, impl, state):
-    from flashcheck.impls.call import SECONDS
+    from flashcheck.contract.call import SECONDS
 
     line = slow_warning(impl.name, *SECONDS.get(impl.name, (0, 0.0)))
     if impl.name in state.slow_warned or line is None:

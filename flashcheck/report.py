@@ -26,6 +26,9 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from hypothesis.errors import UnsatisfiedAssumption
+
+from flashcheck.contract import call
 from flashcheck.oracle import TRUTH, Mismatch
 from flashcheck.strategies import AttentionCase
 
@@ -71,7 +74,7 @@ class Failure:
 
     @classmethod
     def of(cls, item, impl, exc: BaseException, pin=None) -> "Failure":
-        from flashcheck.strategies import draw as fs_draw
+        from flashcheck.strategies import context
 
         error = _first_error(pin.error if pin is not None else exc)
         full = "".join(traceback.format_exception(exc))
@@ -81,7 +84,7 @@ class Failure:
         full = plain_numbers(full)
         # the oracle's own verdict carries its case and entries; any other failure is about the case
         # the property drew and fitted last
-        last = fs_draw.LAST_FITTED[0]
+        last = context.current().last_fitted
         mismatch = error if isinstance(error, Mismatch) else None
         case = mismatch.case if mismatch is not None else last[1] if last is not None and last[0] is impl else None
         params = "-".join(str(v) for k, v in getattr(getattr(item, "callspec", None), "params", {}).items()
@@ -139,9 +142,6 @@ class Text:
         return self.text
 
 
-SUITE_IN_IMPLS = ("__init__.py", "capabilities.py", "rounding.py")  # impls/ holds kernels, and these
-
-
 def pytest_failed() -> type:
     import pytest
 
@@ -151,27 +151,23 @@ def pytest_failed() -> type:
 def suite_raised(exc: BaseException) -> bool:
     """Whether the suite's own code raised ``exc`` rather than the kernel: the innermost frame of
     its traceback outside installed packages and the standard library is the suite's, and not the
-    call of the kernel (impls/call.py, which a kernel installed as a package raises through)."""
+    call of the kernel (flashcheck/contract/call.py, which a kernel installed as a package raises through)."""
     import sysconfig
 
     import flashcheck
-    from flashcheck import properties, strategies
-    from flashcheck.impls import call
+    from flashcheck import impls, properties, strategies
 
-    impls = Path(call.__file__).resolve().parent
+    kernels = Path(impls.__file__).resolve().parent
     mine = [Path(m.__file__).resolve().parent for m in (flashcheck, properties, strategies)]
     installed = [Path(sysconfig.get_paths()[k]).resolve() for k in ("stdlib", "purelib", "platlib")]
     for frame in reversed(traceback.extract_tb(exc.__traceback__)):
         path = Path(frame.filename).resolve()
-        if path == Path(call.__file__).resolve():
-            return False  # raised in, or through, the call of the kernel
-        if path.is_relative_to(impls):  # an installed package puts impls/ inside flashcheck/
-            if path.name in SUITE_IN_IMPLS:
-                return True
-        elif any(path.is_relative_to(d) for d in mine):
+        if path == Path(call.__file__).resolve() or path.is_relative_to(kernels):
+            return False  # raised in, or through, the call of the kernel: the built-ins are kernels too
+        if any(path.is_relative_to(d) for d in mine):
             return True
         if not any(path.is_relative_to(d) for d in installed):
-            return False  # the kernel's own file (a plug-in, or a built-in in a checkout)
+            return False  # the kernel's own file (a plug-in)
     return False
 
 
@@ -268,3 +264,51 @@ def heatmap(failure: Failure, path) -> bool:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return True
+
+
+COMPILERS = ("torch._dynamo", "torch._inductor", "triton.compiler")  # modules whose errors are compile failures
+
+
+def compile_failure(exc: BaseException) -> bool:
+    """Whether ``exc``, or an error it was raised from, is a compiler's: torch.compile's (dynamo,
+    inductor) or Triton's, or any error whose type calls itself one (CompilationError, ...)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        kind = type(exc)
+        if "Compil" in kind.__name__ or kind.__module__.startswith(COMPILERS):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _error_line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:300]}"
+
+
+def nondeterminism(impl, case, first: BaseException | None = None) -> str:
+    """What to tell a user when one input gave different verdicts (Hypothesis's FlakyFailure):
+    the case, the largest difference between repeated calls, and how the failing call failed.
+    A first call that raised (rather than returned a wrong answer) is said as such: an error that
+    does not recur, or a compile that failed once, is no race."""
+    while isinstance(first, BaseExceptionGroup) and first.exceptions:
+        first = first.exceptions[0]
+    if isinstance(first, UnsatisfiedAssumption):  # the suite's own reject(), not the kernel's error
+        first = None
+    if first is not None and not isinstance(first, AssertionError):
+        compiling = compile_failure(first)
+        what = "failed to compile" if compiling else f"raised {type(first).__name__}"
+        why = ("; the retry may have run other code than the first call compiled (a cache, or an eager "
+               "fall-back)" if compiling else "")
+        return (f"{impl.name} {what} on the first call and returned on the retry: an error that did not recur, "
+                f"not different results{why}\n  the error: {_error_line(first)}\n  case: {case!r}")
+    lines = call.repeat_differences(impl, case, calls=3)
+    head = (f"{impl.name}: the same input gave different results on repeated calls "
+            f"(a race or nondeterminism in the kernel)")
+    if lines:
+        head += ":\n  " + "\n  ".join(lines)
+    else:
+        head += "; three more calls on the case below agreed bit for bit, so it is intermittent"
+    if first is not None:
+        head += "\n  the call that failed: " + (str(first).strip().splitlines() or [type(first).__name__])[0]
+    return head + f"\n  case: {case!r}"

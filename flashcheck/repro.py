@@ -43,7 +43,7 @@ def folder() -> Path:
 
 def write(case, origin: dict | str, test_id: str, message: str, who: str | None = None) -> Path:
     """Write a reproducer for ``case`` failing ``test_id`` on the implementation at ``origin``
-    (``flashcheck.impls.origin_of``: an absolute spec, its file and module name; or a built-in's name).
+    (``flashcheck.contract.origin_of``: an absolute spec, its file and module name; or a built-in's name).
     The folder is named after the property and the implementation ``who`` (twenty kernels whose
     functions are all called ``attention`` get twenty names)."""
     origin = {"spec": origin} if isinstance(origin, str) else dict(origin)
@@ -71,7 +71,7 @@ def load_case(path: Path):
 def load_impl(origin: dict):
     """The implementation a reproducer names, from any directory: by module name from its
     recorded sys.path root, else by its absolute file path, else by its spec as written."""
-    from flashcheck.impls import ContractError, load
+    from flashcheck.contract import ContractError, load
 
     if origin.get("module") and origin.get("root"):
         if origin["root"] not in sys.path:
@@ -93,7 +93,7 @@ def main(argv=None) -> int:
                                        "(default: the implementation that failed)")
     args = parser.parse_args(argv)
     from flashcheck import oracle as orc
-    from flashcheck.impls import ContractError, call, load
+    from flashcheck.contract import ContractError, call, load
 
     where = args.folder.resolve()
     if not (where / "case.py").is_file() or not (where / "inputs.npz").is_file():

@@ -28,8 +28,8 @@ import warnings
 
 import torch
 
-from flashcheck.impls import implementation
-from flashcheck.impls.checks import alignment, check_features, check_inputs, offset
+from flashcheck.contract import implementation
+from flashcheck.contract.checks import alignment, check_features, check_inputs, offset
 
 try:
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention

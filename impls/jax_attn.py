@@ -38,8 +38,8 @@ from dataclasses import dataclass
 
 import torch
 
-from flashcheck.impls import KnownIssue, implementation
-from flashcheck.impls.checks import alignment, check_inputs, check_tensors
+from flashcheck.contract import KnownIssue, implementation
+from flashcheck.contract.checks import alignment, check_inputs, check_tensors
 
 # JAX grabs 75% of the GPU's memory at its first CUDA call unless told not to, which would
 # starve torch and the suite's other kernels in the same process.

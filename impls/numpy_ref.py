@@ -1,176 +1,18 @@
-"""NumPy reference: dense attention with its analytic backward, and FlashAttention Algorithm 1.
+"""The NumPy implementations under test: the dense truth as a kernel (numpy-dense), and
+FlashAttention's Algorithm 1 with its backward, tile by tile (numpy-tiled).
 
-Arrays are (B, H, S, D). The work is vectorized over batch and heads by viewing q as
-(B, Hkv, G, Sq, D) against k, v as (B, Hkv, 1, Sk, D): each key/value head serves its
-G = Hq // Hkv query heads by broadcasting, and gradients sum over G for free.
-Only tiles are looped over.
+Arrays are (B, H, S, D), viewed as (B, Hkv, G, S, D) so each key/value head serves its
+G = Hq // Hkv query heads by broadcasting. Only tiles are looped over.
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
-from flashcheck.impls import implementation
-from flashcheck.impls.checks import alignment, check_blocks, check_inputs, offset
+from flashcheck.contract import implementation
+from flashcheck.contract.checks import check_blocks, offset
+from flashcheck.oracle.reference import DTYPES, dense_backward, dense_forward, prepare, visible
 
-DTYPES = ("float32", "float64")
-
-
-def visible(sq: int, sk: int, align: str | None, rows=None, cols=None, window=None) -> np.ndarray:
-    """Boolean (rows x cols) mask of which keys each query sees: the causal mask AND the window.
-
-    The window is bottom-right aligned like FlashAttention's: query i sees key j iff
-    i + Sk - Sq - left <= j <= i + Sk - Sq + right, a side of -1 being unbounded.
-    """
-    rows = np.arange(sq) if rows is None else rows
-    cols = np.arange(sk) if cols is None else cols
-    vis = np.ones((len(rows), len(cols)), dtype=bool)
-    if align is not None:
-        vis &= cols[None, :] <= rows[:, None] + offset(sq, sk, align)
-    if window is not None:
-        left, right = window
-        dist = cols[None, :] - (rows[:, None] + sk - sq)  # key position relative to the query's diagonal
-        if left >= 0:
-            vis &= dist >= -left
-        if right >= 0:
-            vis &= dist <= right
-    return vis
-
-
-def _logits(q, k, causal, scale, window, softcap, alibi_slopes):
-    """(s, visible, dcap): s (B, Hq, Sq, Sk) in q's dtype with -inf where hidden, and
-    dcap = d(softcapped logit)/d(scaled logit) (None without a softcap)."""
-    dt = q.dtype
-    b, hq, sq, d = q.shape
-    hkv, sk = k.shape[1], k.shape[2]
-    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    qg = q.reshape(b, hkv, hq // hkv, sq, d)
-    s = (dt.type(scale) * (qg @ np.swapaxes(k.astype(dt)[:, :, None], -1, -2))).reshape(b, hq, sq, sk)
-    dcap = None
-    if softcap:
-        c = dt.type(softcap)
-        t = np.tanh(s / c)
-        s, dcap = c * t, 1 - t * t  # d/dx c tanh(x / c) = 1 - tanh^2
-    if alibi_slopes is not None:
-        slopes = np.asarray(alibi_slopes).astype(dt)
-        slopes = slopes.reshape((1,) * (2 - slopes.ndim) + slopes.shape + (1, 1))  # (B or 1, Hq, 1, 1)
-        dist = np.abs(np.arange(sq)[:, None] + sk - sq - np.arange(sk)[None, :]).astype(dt)
-        s = s - slopes * dist
-    vis = visible(sq, sk, alignment(causal), window=window)
-    return np.where(vis, s, dt.type(-np.inf)), vis, dcap
-
-
-def _prepare(q, k, v, causal, scale, who):
-    b, hq, hkv, sq, sk, d, dv = check_inputs(q, k, v, dtypes=DTYPES, who=who)
-    align = alignment(causal)
-    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    g = hq // hkv
-    return (q.reshape(b, hkv, g, sq, d), k[:, :, None], v[:, :, None],
-            align, scale, (b, hq, sq, sk, dv))
-
-
-def _check_features(q, window, softcap, alibi_slopes, sinks, dropout_p, dropout_mask, who):
-    b, hq, sq = q.shape[:3]
-    if window is not None and not (len(window) == 2 and all(isinstance(w, (int, np.integer)) and w >= -1
-                                                            for w in window)):
-        raise ValueError(f"{who}: window must be (left, right) ints >= -1, got {window!r}")
-    if softcap < 0:
-        raise ValueError(f"{who}: softcap must be >= 0 (0 = off), got {softcap!r}")
-    if alibi_slopes is not None and np.shape(alibi_slopes) not in ((hq,), (b, hq)):
-        raise ValueError(f"{who}: alibi_slopes must have shape ({hq},) or ({b}, {hq}), got {np.shape(alibi_slopes)}")
-    if sinks is not None and np.shape(sinks) != (hq,):
-        raise ValueError(f"{who}: sinks must have shape ({hq},), got {np.shape(sinks)}")
-    if not 0 <= dropout_p < 1:
-        raise ValueError(f"{who}: dropout_p must be in [0, 1), got {dropout_p!r}")
-    if dropout_p > 0 and dropout_mask is None:
-        raise ValueError(f"{who}: dense attention with dropout needs the keep mask (dropout_mask=)")
-
-
-def dense_probs(q, k, v, causal=False, scale=None, who="numpy-dense", *, window=None, softcap=0.0,
-                alibi_slopes=None, sinks=None):
-    """Softmax probabilities in float64, in the grouped layout (B, Hkv, G, Sq, Sk).
-
-    Returns (p, lse, (qg, kg, vg, scale, shape), extra) with extra = {"psink": the sink's
-    share of each row's softmax (B, Hkv, G, Sq) or None, "dcap": the softcap's derivative
-    or None, "s": the logits}. A sink joins every row's denominator and is part of the LSE.
-    """
-    qg, kg, vg, align, scale, (b, hq, sq, sk, dv) = _prepare(q, k, v, causal, scale, who)
-    f64 = np.float64
-    s, _, dcap = _logits(q.astype(f64), k.astype(f64), causal, scale, window, softcap, alibi_slopes)
-    grouped = (b, kg.shape[1], hq // kg.shape[1], sq)
-    s = s.reshape(grouped + (sk,))
-    m = s.max(axis=-1, keepdims=True)
-    sink = None if sinks is None else np.asarray(sinks, f64).reshape(grouped[1:3] + (1, 1))
-    if sink is not None:
-        m = np.maximum(m, sink)
-    m = np.where(np.isfinite(m), m, 0.0)  # a row that sees nothing keeps exp(-inf) = 0
-    e = np.exp(s - m)
-    total = e.sum(axis=-1, keepdims=True)
-    esink = None if sink is None else np.exp(sink - m)
-    if esink is not None:
-        total = total + esink
-    p = np.divide(e, total, out=np.zeros_like(e), where=total > 0)
-    psink = None if esink is None else np.divide(esink, total, out=np.zeros_like(total), where=total > 0)[..., 0]
-    with np.errstate(divide="ignore"):
-        lse = (m + np.log(total))[..., 0]
-    extra = {"psink": psink, "dcap": None if dcap is None else dcap.reshape(s.shape), "s": s}
-    return p, lse, (qg, kg, vg, scale, (b, hq, sq, sk, dv)), extra
-
-
-def _keep_weights(p, dropout_p, dropout_mask, shape):
-    """P times the dropout keep mask over (1 - p): what multiplies V."""
-    if not dropout_p:
-        return p
-    keep = np.asarray(dropout_mask, bool).reshape(shape)
-    return p * keep / (1.0 - dropout_p)
-
-
-def dense_forward(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, alibi_slopes=None, sinks=None,
-                  dropout_p=0.0, dropout_mask=None):
-    """Dense attention computed in float64; returns (O, LSE) in the input dtype.
-
-    With dropout, ``dropout_mask`` (bool, (B, Hq, Sq, Sk), True = kept) says which
-    probabilities survive; they are scaled by 1 / (1 - dropout_p). The LSE ignores dropout.
-    """
-    _check_features(q, window, softcap, alibi_slopes, sinks, dropout_p, dropout_mask, "numpy-dense")
-    p, lse, (_, _, vg, _, (b, hq, sq, _, dv)), _ = dense_probs(
-        q, k, v, causal, scale, "numpy-dense", window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-        sinks=sinks)
-    o = _keep_weights(p, dropout_p, dropout_mask, p.shape) @ vg.astype(np.float64)
-    return o.reshape(b, hq, sq, dv).astype(q.dtype), lse.reshape(b, hq, sq).astype(q.dtype)
-
-
-def dense_backward(q, k, v, o, lse, do, *, causal=False, scale=None, window=None, softcap=0.0, alibi_slopes=None,
-                   sinks=None, dropout_p=0.0, dropout_mask=None):
-    """Analytic gradients of sum(O * dO) in float64: dS = P * (dP - rowsum(dO * O)).
-
-    The softcap multiplies dS by 1 - tanh^2 before the scale; dropout multiplies dP by
-    the keep mask over (1 - p). With sinks it returns (dq, dk, dv, dsinks), where
-    dsinks_h = -sum over batch and rows of P_sink * rowsum(dO * O): the sink only
-    takes probability away from the keys.
-    """
-    _check_features(q, window, softcap, alibi_slopes, sinks, dropout_p, dropout_mask, "numpy-dense")
-    p, _, (qg, kg, vg, scale, (b, hq, sq, sk, dv)), extra = dense_probs(
-        q, k, v, causal, scale, "numpy-dense", window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-        sinks=sinks)
-    f64 = np.float64
-    w = _keep_weights(np.ones_like(p), dropout_p, dropout_mask, p.shape)  # keep / (1 - p), or 1
-    dog = do.astype(f64).reshape(qg.shape[:-1] + (dv,))
-    og = (p * w) @ vg.astype(f64)
-    dvg = (np.swapaxes(p * w, -1, -2) @ dog).sum(axis=2)
-    dp = (dog @ np.swapaxes(vg.astype(f64), -1, -2)) * w
-    delta = (dog * og).sum(axis=-1)
-    ds = p * (dp - delta[..., None])
-    if extra["dcap"] is not None:
-        ds = ds * extra["dcap"]
-    dq = scale * (ds @ kg.astype(f64))
-    dk = scale * (np.swapaxes(ds, -1, -2) @ qg.astype(f64)).sum(axis=2)
-    grads = (dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dvg.astype(v.dtype))
-    if sinks is None:
-        return grads
-    dsinks = -(extra["psink"] * delta).sum(axis=(0, 3)).reshape(hq)
-    return grads + (dsinks.astype(np.asarray(sinks).dtype),)
+__all__ = ["dense_backward", "dense_forward", "tiled_backward", "tiled_forward"]
 
 
 def _tiles(n: int, block: int):
@@ -189,7 +31,7 @@ def tiled_forward(q, k, v, *, causal=False, scale=None, block_q=16, block_k=16):
     unnormalized output acc; each new tile rescales them by exp(m_old - m_new).
     """
     check_blocks(block_q, block_k, who="numpy-tiled")
-    qg, kg, vg, align, scale, (b, hq, sq, sk, dv) = _prepare(q, k, v, causal, scale, "numpy-tiled")
+    qg, kg, vg, align, scale, (b, hq, sq, sk, dv) = prepare(q, k, v, causal, scale, "numpy-tiled")
     dt = q.dtype
     off = offset(sq, sk, align)
     m = np.full(qg.shape[:-1], -np.inf, dtype=dt)
@@ -226,7 +68,7 @@ def tiled_backward(q, k, v, o, lse, do, *, causal=False, scale=None, block_q=16,
     is ever held.
     """
     check_blocks(block_q, block_k, who="numpy-tiled")
-    qg, kg, vg, align, scale, (b, hq, sq, sk, dv) = _prepare(q, k, v, causal, scale, "numpy-tiled")
+    qg, kg, vg, align, scale, (b, hq, sq, sk, dv) = prepare(q, k, v, causal, scale, "numpy-tiled")
     dt = q.dtype
     off = offset(sq, sk, align)
     dog = do.reshape(qg.shape[:-1] + (dv,)).astype(dt)

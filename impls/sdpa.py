@@ -41,9 +41,9 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from flashcheck.impls import KnownIssue, implementation
-from flashcheck.impls.checks import alignment, check_features, check_inputs, check_tensors
-from flashcheck.impls.rounding import DTYPES
+from flashcheck.contract import KnownIssue, implementation
+from flashcheck.contract.checks import alignment, check_features, check_inputs, check_tensors
+from flashcheck.oracle.rounding import DTYPES
 
 try:
     from torch.nn.attention import SDPBackend, sdpa_kernel

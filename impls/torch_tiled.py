@@ -22,9 +22,10 @@ import math
 import torch
 from torch.autograd.function import once_differentiable
 
-from flashcheck.impls import counter_rng, implementation
-from flashcheck.impls.rounding import DTYPES
-from flashcheck.impls.checks import alignment, check_blocks, check_features, check_inputs, offset
+from flashcheck.contract import implementation
+from flashcheck.impls import counter_rng
+from flashcheck.oracle.rounding import DTYPES
+from flashcheck.contract.checks import alignment, check_blocks, check_features, check_inputs, offset
 
 WHO = "torch-tiled"
 NEG_INF = float("-inf")

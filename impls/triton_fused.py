@@ -45,8 +45,8 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from flashcheck.impls import implementation
-from flashcheck.impls.checks import alignment, check_inputs, dtype_name, offset
+from flashcheck.contract import implementation
+from flashcheck.contract.checks import alignment, check_inputs, dtype_name, offset
 from flashcheck.impls import triton_kernels as K
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"

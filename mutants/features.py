@@ -13,8 +13,9 @@ import math
 
 import numpy as np
 
-from flashcheck.impls import counter_rng, implementation
-from flashcheck.impls.checks import alignment, check_blocks, check_features, check_inputs, offset
+from flashcheck.contract import implementation
+from flashcheck.impls import counter_rng
+from flashcheck.contract.checks import alignment, check_blocks, check_features, check_inputs, offset
 
 BUGS = {
     "window_left_off_by_one": "window's left edge off by one (one key too few)",

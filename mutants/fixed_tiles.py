@@ -14,7 +14,7 @@ import math
 import torch
 
 from flashcheck import implementation
-from flashcheck.impls.checks import check_inputs
+from flashcheck.contract.checks import check_inputs
 
 BUGS = {
     "lone_last_key_dropped": "a last key tile holding one key dropped (Sk % 48 == 1), 32x48 tiles",

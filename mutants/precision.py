@@ -1,6 +1,6 @@
 """Fused kernels with precision bugs, for float16 and bfloat16 only: one bug class per mutant.
 
-The kernel follows FlashAttention-2's rounding exactly (impls/rounding.py describes it): scores
+The kernel follows FlashAttention-2's rounding exactly (flashcheck/oracle/rounding.py describes it): scores
 and softmax statistics in float32, P rounded to the input type before P @ V, float32
 accumulators, O rounded once, an float32 LSE; the backward recomputes P from the LSE and rounds
 P and dS before their products. It is emulated in NumPy, tile by tile (32 x 32), so that a bug
@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 from flashcheck import implementation
-from flashcheck.impls.checks import alignment, check_inputs, offset
-from flashcheck.impls.rounding import round_to
+from flashcheck.contract.checks import alignment, check_inputs, offset
+from flashcheck.oracle.rounding import round_to
 
 BUGS = {
     "o_accumulated_in_half": "O accumulated in the input type across key tiles",

@@ -13,12 +13,14 @@ import torch
 from hypothesis.errors import UnsatisfiedAssumption
 
 from flashcheck import oracle as orc
+from flashcheck import report
 from flashcheck import strategies as fs
-from flashcheck.impls import call, capabilities, implementation, load
+from flashcheck.contract import call, capabilities, implementation, load
 from mutants import untrusted as ut
 from flashcheck.properties import helpers as ph
 from flashcheck.properties import test_backward, test_bad_input, test_forward, test_invariance, test_known_issues
 from flashcheck.strategies import AttentionCase as Case
+from flashcheck.strategies import context
 
 pytestmark = pytest.mark.properties
 
@@ -91,7 +93,7 @@ def test_nan_from_the_kernel_is_blamed_on_the_kernel_not_the_reference():
 
 
 def test_a_kernel_that_answers_differently_twice_is_named_nondeterministic():
-    said = ph.nondeterminism(record(ut.first_call_wrong), Case(sq=3, sk=5, d=4, dv=4, seed=7))
+    said = report.nondeterminism(record(ut.first_call_wrong), Case(sq=3, sk=5, d=4, dv=4, seed=7))
     assert "race or nondeterminism" in said and "largest difference" in said and "case: AttentionCase(" in said, said
 
 
@@ -130,7 +132,7 @@ def test_an_error_of_the_suite_itself_is_not_blamed_on_the_kernel():
     impl = record(ut.not_implemented)
     case = Case(sq=2, sk=2)
     suite = _raised(lambda: orc.entries(case, "no-such-result", None))  # raised in flashcheck/
-    kernel = _raised(lambda: ph.forward(impl, case))  # raised in the kernel's own file, through impls/call.py
+    kernel = _raised(lambda: ph.forward(impl, case))  # raised in the kernel's own file, through flashcheck/contract/call.py
     # a kernel that is a library's own function: it raises from inside torch, with no frame of its own
     sdpa = implementation(name="sdpa-itself", dtypes=("float64",), register=False)(
         functools.partial(torch.nn.functional.scaled_dot_product_attention))
@@ -177,13 +179,13 @@ PICKY = implementation(name="picky", supports=lambda c: c.sk > 1 or "one key is 
     (PICKY.__flashcheck__, Case(), "not run: one key is not supported"),
 ])
 def test_a_pin_that_cannot_run_as_written_is_reported(kernel, pin, said, monkeypatch):
-    monkeypatch.setattr(fs.draw, "PINS", [frozenset({pin})])
-    monkeypatch.setattr(fs.draw, "PIN_REPORTS", [])
+    test = context.begin(pins=frozenset({pin}))
     try:
         fs.fit(kernel, pin)
     except UnsatisfiedAssumption:
         pass
-    assert any(said in line for line in fs.draw.PIN_REPORTS), f"expected {said!r} in {fs.draw.PIN_REPORTS}"
-    fs.draw.PIN_REPORTS.clear()
+    assert any(said in line for line in test.pin_reports), f"expected {said!r} in {test.pin_reports}"
+    test.pin_reports.clear()
     fs.fit(kernel, Case(sk=5, d=3, dv=3, block_q=16, block_k=16))  # not a pin, runs unchanged or refitted quietly
-    assert fs.draw.PIN_REPORTS == []
+    assert test.pin_reports == []
+    context.end()

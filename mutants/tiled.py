@@ -14,7 +14,7 @@ import math
 import numpy as np
 
 from flashcheck import implementation
-from flashcheck.impls.checks import alignment, check_blocks, check_inputs, offset
+from flashcheck.contract.checks import alignment, check_blocks, check_inputs, offset
 
 BUGS = {
     "rescale_skipped": "online-softmax rescale skipped",

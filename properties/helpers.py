@@ -4,19 +4,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from hypothesis import example, note
-from hypothesis.errors import UnsatisfiedAssumption
 
-from flashcheck.impls import call
-from flashcheck.impls.rounding import HALF, RESULTS
+from flashcheck.contract import call
+from flashcheck.oracle.rounding import HALF, RESULTS  # noqa: F401  (the properties read ph.RESULTS)
 from flashcheck.strategies import REGIMES, AttentionCase as Case
 from flashcheck.strategies import draw as fs_draw
 from flashcheck.strategies.draw import DEFAULT_DTYPES as DTYPES
 
 
-try:
-    BaseExceptionGroup
-except NameError:  # Python 3.10: Hypothesis depends on the backport there
-    from exceptiongroup import BaseExceptionGroup
 
 
 def forward(impl, case, q=None, k=None, v=None) -> call.Result:
@@ -66,6 +61,10 @@ def cover_cases(regimes=None, long=False, causal=True):
     return pins if causal else [c.replace(causal=None) for c in pins]
 
 
+_ALL_PINS = frozenset(c for regimes in (None, ("equal",)) for causal in (True, False)
+                      for c in cover_cases(regimes, True, causal))
+
+
 def slow_pin(impl, case) -> bool:
     """A coverage pin on an implementation in the CPU interpreter lane, whose every call costs
     seconds: that lane runs the pins on the value properties only (forward and gradients)."""
@@ -76,88 +75,16 @@ def every_dtype_and_regime(regimes=None, long=False, causal=True, **other):
     """@example pins: one mid-sized case per (dtype, regime) pair (and the long pins if asked);
     ``causal=False`` for properties of unmasked attention; ``other`` fills the test's other arguments."""
     def pin(test):
-        for case in reversed(cover_cases(regimes, long, causal)):
+        cases = cover_cases(regimes, long, causal)
+        for case in reversed(cases):
             test = example(case=case, **other)(test)
+        # the plugin tells the strategies these are coverage pins: refitting them is their job
+        test.flashcheck_coverage = getattr(test, "flashcheck_coverage", frozenset()) | frozenset(cases)
         return test
 
     return pin
 
 
-_ALL_PINS = frozenset(c for regimes in (None, ("equal",)) for causal in (True, False)
-                      for c in cover_cases(regimes, True, causal))
-fs_draw.QUIET_PINS.update(_ALL_PINS)
-
-
-def repeat_differences(impl, case, calls: int = 2) -> list[str]:
-    """Call ``impl`` ``calls`` times on the case's input; one line per result that is not
-    bitwise identical across calls (NaN counts as equal to NaN)."""
-    run = backward if impl.has_backward else forward
-    first, lines = run(impl, case), []
-    for _ in range(calls - 1):
-        again = run(impl, case)
-        for name in RESULTS:
-            a, b = getattr(first, name), getattr(again, name)
-            if a is None or b is None:
-                continue
-            same = (a.view(np.uint64) == b.view(np.uint64)) | (np.isnan(a) & np.isnan(b))
-            if same.all():
-                continue
-            with np.errstate(invalid="ignore"):
-                gap = np.where(same, 0.0, np.nan_to_num(np.abs(a - b), nan=np.inf))
-            idx = tuple(int(i) for i in np.unravel_index(np.argmax(gap), gap.shape))
-            lines.append(f"{name}: {int((~same).sum())} of {a.size} entries differ; largest difference "
-                         f"{gap[idx]:.3e} at {idx} ({float(a[idx])!r} then {float(b[idx])!r})")
-        if lines:
-            break
-    return lines
-
-
-COMPILERS = ("torch._dynamo", "torch._inductor", "triton.compiler")  # modules whose errors are compile failures
-
-
-def compile_failure(exc: BaseException) -> bool:
-    """Whether ``exc``, or an error it was raised from, is a compiler's: torch.compile's (dynamo,
-    inductor) or Triton's, or any error whose type calls itself one (CompilationError, ...)."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        kind = type(exc)
-        if "Compil" in kind.__name__ or kind.__module__.startswith(COMPILERS):
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
-
-
-def _error_line(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:300]}"
-
-
-def nondeterminism(impl, case, first: BaseException | None = None) -> str:
-    """What to tell a user when one input gave different verdicts (Hypothesis's FlakyFailure):
-    the case, the largest difference between repeated calls, and how the failing call failed.
-    A first call that raised (rather than returned a wrong answer) is said as such: an error that
-    does not recur, or a compile that failed once, is no race."""
-    while isinstance(first, BaseExceptionGroup) and first.exceptions:
-        first = first.exceptions[0]
-    if isinstance(first, UnsatisfiedAssumption):  # the suite's own reject(), not the kernel's error
-        first = None
-    if first is not None and not isinstance(first, AssertionError):
-        compiling = compile_failure(first)
-        what = "failed to compile" if compiling else f"raised {type(first).__name__}"
-        why = ("; the retry may have run other code than the first call compiled (a cache, or an eager "
-               "fall-back)" if compiling else "")
-        return (f"{impl.name} {what} on the first call and returned on the retry: an error that did not recur, "
-                f"not different results{why}\n  the error: {_error_line(first)}\n  case: {case!r}")
-    lines = repeat_differences(impl, case, calls=3)
-    head = (f"{impl.name}: the same input gave different results on repeated calls "
-            f"(a race or nondeterminism in the kernel)")
-    if lines:
-        head += ":\n  " + "\n  ".join(lines)
-    else:
-        head += "; three more calls on the case below agreed bit for bit, so it is intermittent"
-    if first is not None:
-        head += "\n  the call that failed: " + (str(first).strip().splitlines() or [type(first).__name__])[0]
-    return head + f"\n  case: {case!r}"
 
 
 # The strategies' self-tests assert the CPU profiles' limits and dtypes (the gpu profile draws

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from flashcheck import strategies as fs
-from flashcheck.impls import call
+from flashcheck.contract import call
 from flashcheck.strategies import AttentionCase as Case
 
 pytestmark = [pytest.mark.properties, pytest.mark.input_validation]

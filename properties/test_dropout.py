@@ -15,7 +15,8 @@ from hypothesis import assume, example, given, note, settings
 
 from flashcheck import oracle as orc
 from flashcheck import strategies as fs
-from flashcheck.impls import call, numpy_ref
+from flashcheck.contract import call
+from flashcheck.oracle import reference
 from flashcheck.properties import helpers as ph
 from flashcheck.strategies import AttentionCase as Case
 
@@ -123,10 +124,10 @@ def test_the_keep_mask_read_from_the_output_is_rescaled_kept_at_rate_1_minus_p_a
     # The same seed on the case's own inputs: dense attention with that mask, exactly, forward and backward.
     kw = dict(case.reference_kwargs(), dropout_p=p, dropout_mask=mask)
     res = call.run(impl, case, q, k, v, do if impl.has_backward else None)
-    o_true, lse_true = numpy_ref.dense_forward(q, k, v, **kw)
+    o_true, lse_true = reference.dense_forward(q, k, v, **kw)
     wants = {"o": o_true, "lse": lse_true}
     if impl.has_backward:
-        wants.update(zip(("dq", "dk", "dv"), numpy_ref.dense_backward(q, k, v, o_true, lse_true, do, **kw)))
+        wants.update(zip(("dq", "dk", "dv"), reference.dense_backward(q, k, v, o_true, lse_true, do, **kw)))
     for name, want_x in wants.items():
         got = getattr(res, name)
         if got is not None:
@@ -158,7 +159,7 @@ def spread(case, p):
     """
     q, k, v, do = case.inputs()
     kw = case.reference_kwargs()
-    pr, _, (qg, kg, vg, scale, _), _ = numpy_ref.dense_probs(q, k, v, who="dropout bound", **kw)
+    pr, _, (qg, kg, vg, scale, _), _ = reference.dense_probs(q, k, v, who="dropout bound", **kw)
     dog = do.reshape(qg.shape[:-1] + (-1,))
     a = pr * (dog @ np.swapaxes(vg, -1, -2))  # A, (B, Hkv, G, Sq, Sk)
     kbar = pr @ kg

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 from flashcheck import oracle as orc
 from flashcheck import strategies as fs
-from flashcheck.impls import call, numpy_ref
+from flashcheck.contract import call
+from flashcheck.oracle import reference
 from flashcheck.properties import helpers as ph
 from flashcheck.strategies import AttentionCase as Case
 
@@ -213,8 +214,8 @@ def test_shifting_alibi_distances_leaves_rows_whose_keys_lie_on_one_side_unchang
     rows = np.arange(case.sq - case.sk + 1)
     note(f"rows compared: {rows.tolist()}, {extra} query rows appended")
     kw = case.reference_kwargs()
-    drift = _finite_gap(numpy_ref.dense_forward(more, k, v, **kw)[0][:, :, rows],
-                        numpy_ref.dense_forward(q, k, v, **kw)[0][:, :, rows])
+    drift = _finite_gap(reference.dense_forward(more, k, v, **kw)[0][:, :, rows],
+                        reference.dense_forward(q, k, v, **kw)[0][:, :, rows])
     base, moved = ph.forward(impl, case), ph.forward(impl, case, q=more)
     budget = 4 * orc.allowed(case, "o")[0][:, :, rows] + drift
     orc.compare(case, "o", moved.o[:, :, rows], want=base.o[:, :, rows], budget=budget,

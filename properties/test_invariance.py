@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from flashcheck import oracle as orc
 from flashcheck import strategies as fs
-from flashcheck.impls import call
+from flashcheck.contract import call
 from flashcheck.properties import helpers as ph
 from flashcheck.strategies import AttentionCase as Case
 from flashcheck.strategies import buckets
@@ -153,6 +153,6 @@ def test_inputs_are_never_modified(impl, case, path):
 @example(case=Case(hq=4, hkv=2, sq=17, sk=33, d=16, dv=16, block_q=16, block_k=16))  # several tiles, GQA
 def test_repeated_calls_on_one_input_are_bitwise_identical(impl, case):
     case = fs.fit(impl, case)
-    lines = ph.repeat_differences(impl, case)
+    lines = call.repeat_differences(impl, case)
     assert not lines, (f"{impl.name} declares deterministic=True, but two calls on the same input differ "
                        f"(a race or nondeterminism):\n  " + "\n  ".join(lines) + f"\n  case: {case!r}")

@@ -4,7 +4,7 @@ import re
 import pytest
 
 from flashcheck import oracle as orc
-from flashcheck.impls import capabilities
+from flashcheck.contract import capabilities
 from flashcheck.properties import helpers as ph
 
 pytestmark = pytest.mark.properties

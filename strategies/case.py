@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields, replace
 
 import numpy as np
 
-from flashcheck.impls.rounding import PRECISIONS
+from flashcheck.oracle.rounding import PRECISIONS
 
 REGIMES = ("plain", "large", "negative", "equal", "dominant", "ties", "heavy")
 ALIGNMENTS = (None, "bottom_right", "top_left")
@@ -54,7 +54,7 @@ class AttentionCase:
     block_k: int = 16
     regime: str = "plain"
     seed: int = 0
-    precision: str = "fused"  # the rounding model it is judged by (impls.rounding); fit() copies the kernel's
+    precision: str = "fused"  # the rounding model it is judged by (flashcheck.oracle.rounding); fit() copies the kernel's
     # features (docs/features.md); each defaults to off
     window: tuple[int, int] | None = None  # (left, right), -1 = unbounded on that side
     softcap: float = 0.0  # 0 = off
@@ -102,7 +102,7 @@ class AttentionCase:
         return 1.0 / math.sqrt(self.d) if self.scale is None else self.scale
 
     def reference_kwargs(self) -> dict:
-        """The keyword arguments the dense reference (impls.numpy_ref) takes for this case's semantics.
+        """The keyword arguments the dense reference (flashcheck.oracle.reference) takes for this case's semantics.
 
         Dropout is not among them: its mask is the implementation's (see properties/test_dropout.py).
         """

@@ -13,8 +13,8 @@ import time
 from hypothesis import currently_in_test_context, note, reject, settings
 from hypothesis import strategies as st
 
-from flashcheck.impls.rounding import DTYPES, HALF
-from flashcheck.strategies import buckets
+from flashcheck.oracle.rounding import DTYPES, HALF
+from flashcheck.strategies import buckets, context
 from flashcheck.strategies.case import REGIMES, AttentionCase
 from flashcheck.strategies.features import feature_fields, fit_features
 
@@ -52,7 +52,6 @@ def limits() -> dict:
 
 # The tile sizes real kernels use: lengths one either side of them hold partial-tile bugs
 TILE_SIZES = (16, 32, 48, 64, 96, 128, 256)
-DRAWING_FOR: list = [None]  # the implementation the running test draws for (the pytest plugin sets it)
 
 
 def lengths(block: int, top: int, reach: int | None = None):
@@ -69,7 +68,7 @@ def lengths(block: int, top: int, reach: int | None = None):
 
     # within the kernel's own max_seq too: lengths past it are clamped, and a masked-rows case
     # clamped to Sq = Sk has no masked row left (every draw of such a property would be refused)
-    impl = DRAWING_FOR[0]
+    impl = context.current().impl
     cap = min(top, getattr(impl, "max_seq", None) or top)
     common = [n for t in TILE_SIZES for n in (t - 1, t, t + 1) if n <= cap]
     # the third branch keeps one-by-one problems a small minority of what is drawn
@@ -79,7 +78,7 @@ def lengths(block: int, top: int, reach: int | None = None):
 
 def fixed_tiles():
     """The (block_q, block_k) tiles the implementation being drawn for declares, or None."""
-    return getattr(DRAWING_FOR[0], "tiles", None)
+    return getattr(context.current().impl, "tiles", None)
 
 
 def tile_reach(tiles) -> int:
@@ -182,14 +181,6 @@ def _nearest(value, allowed):
     return min(allowed, key=lambda a: (abs(math.log2(a) - math.log2(value)), a))
 
 
-LAST_FITTED: list = [None]  # (impl, case) of the latest fit: the case a failure report shows
-PINS: list = [frozenset()]  # the running test's @example cases (the pytest plugin sets it)
-PIN_REPORTS: list[str] = []  # pins that were refitted or not run, reported after the test
-LAST_REFUSAL: list = [None]  # why the latest case was rejected: shown when no case fits at all
-BUDGET: list = [None]  # time.monotonic() past which generated cases are refused (the plugin sets it)
-FIRST_PASS: list = [False]  # True in the plugin's first pass (flashcheck/firstpass.py), then the coverage pin it ran
-
-
 class PinNotAsWritten(UserWarning):
     """An @example pin was refitted to an implementation's declarations, or could not run on it."""
 
@@ -246,16 +237,18 @@ def fit(impl, case: AttentionCase) -> AttentionCase:
 
     Fitting, not filtering, keeps every draw useful and lets an ``@example`` pin one
     case for every implementation. A pin that had to change, or cannot run at all, is
-    reported (PIN_REPORTS), so that it never passes without testing what it names.
+    reported (the test context's pin_reports), so that it never passes without testing what it names.
     """
-    if BUDGET[0] is not None and LAST_FITTED[0] is not None and case not in PINS[0] and time.monotonic() > BUDGET[0]:
-        LAST_REFUSAL[0] = "the property's time budget is spent (FLASHCHECK_PROPERTY_SECONDS)"
+    test = context.current()
+    if test.budget is not None and test.last_fitted is not None and case not in test.pins \
+            and time.monotonic() > test.budget:
+        test.last_refusal = "the property's time budget is spent (FLASHCHECK_PROPERTY_SECONDS)"
         reject()  # Hypothesis ends the property once its refusals pile up: a night sized by time
     c, why = supported(impl, case)
     if c is None:
         _pin_report(case, f"not run: {why}")
         _note(f"{impl.name} cannot run {case!r}: {why}")
-        LAST_REFUSAL[0] = why
+        test.last_refusal = why
         reject()
     if c != case.replace(precision=impl.precision):  # a precision alone is not worth a note
         _note(f"fitted to {impl.name}: {c!r}")
@@ -266,13 +259,13 @@ def fit(impl, case: AttentionCase) -> AttentionCase:
     for issue in impl.known_issues:
         if issue.applies(c):
             _pin_report(case, f"not run: known issue {issue.text!r}")
-            LAST_REFUSAL[0] = f"known issue {issue.text!r}"
+            test.last_refusal = f"known issue {issue.text!r}"
             reject()  # a declared, already-reported failure: test the rest of the space
-    if FIRST_PASS[0] and case in QUIET_PINS:
-        if FIRST_PASS[0] is not True and FIRST_PASS[0] != case:
+    if test.first_pass and case in test.coverage:
+        if test.first_pass is not True and test.first_pass != case:
             reject()  # the plugin's first pass: the hand-written pins, and one of the coverage pins
-        FIRST_PASS[0] = case
-    LAST_FITTED[0] = (impl, c)
+        test.first_pass = case
+    test.last_fitted = (impl, c)
     return c
 
 
@@ -296,10 +289,8 @@ def _incidental(case, impl):
             | ({"block_q", "block_k"} if impl.blocks is None else set()))
 
 
-QUIET_PINS: set = set()  # pins written to cover a (dtype, regime) pair anywhere: refitting is their job
-
-
 def _pin_report(case, what: str):
+    test = context.current()
     line = f"@example {_short(case)} {what}"
-    if case in PINS[0] and case not in QUIET_PINS and line not in PIN_REPORTS:
-        PIN_REPORTS.append(line)
+    if case in test.pins and case not in test.coverage and line not in test.pin_reports:
+        test.pin_reports.append(line)

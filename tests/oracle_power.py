@@ -1,7 +1,7 @@
 """How much the oracle can see: which perturbations of a correct result it rejects.
 
 For every dtype and logit regime, cases are drawn; the output of a correct fused kernel (the
-rounding model, impls/rounding.py) is perturbed, and ``flashcheck.oracle.compare`` must reject it. A
+rounding model, flashcheck/oracle/rounding.py) is perturbed, and ``flashcheck.oracle.compare`` must reject it. A
 perturbation counts only where its effect is at least 4x that correct kernel's largest error
 and at least 2 ulps (smaller ones a correct kernel may make); the rate is rejections over counted cases. The correct
 kernel itself, and torch-tiled, must never be rejected.
@@ -20,7 +20,7 @@ from collections import defaultdict
 import numpy as np
 
 from flashcheck import oracle as orc_new
-from flashcheck.impls.rounding import DTYPES
+from flashcheck.oracle.rounding import DTYPES
 from flashcheck.strategies import REGIMES, AttentionCase
 
 GRADS = ("dq", "dk", "dv")
@@ -115,8 +115,9 @@ def score(orc, dtypes=("float16", "bfloat16", "float32"), n=40, long=True, corre
 
 
 def torch_tiled(case):
-    from flashcheck.impls import call, torch_tiled as tt  # noqa: F401  (registers torch-tiled)
-    from flashcheck.impls import REGISTRY
+    from flashcheck.contract import call
+    from flashcheck.impls import torch_tiled as tt  # noqa: F401  (registers torch-tiled)
+    from flashcheck.contract import REGISTRY
 
     res = call.run(REGISTRY["torch-tiled"], case, *case.inputs())
     return {n: getattr(res, n) for n in orc_new.RESULTS}

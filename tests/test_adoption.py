@@ -14,7 +14,7 @@ import pytest
 
 from flashcheck import implementation
 from flashcheck.database import PerImplementation
-from flashcheck.impls import ContractError, call, load
+from flashcheck.contract import ContractError, call, load
 from flashcheck.plugin import slow_warning
 from flashcheck.strategies import AttentionCase as Case
 
@@ -274,7 +274,7 @@ def test_the_examples_are_self_contained(tmp_path):
     code = textwrap.dedent("""
         import re, sys
         from pathlib import Path
-        from flashcheck.impls import load
+        from flashcheck.contract import load
         for path in sorted(Path(".").glob("*.py")):
             names = re.findall(r"^@implementation\\((?:.|\\n)*?^def (\\w+)", path.read_text(), re.M)
             assert names, f"{path}: no decorated function"

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import HealthCheck, find, given, settings
 
 from flashcheck import strategies as fs
-from flashcheck.strategies import buckets
+from flashcheck.strategies import buckets, context
 
 pytestmark = pytest.mark.properties
 
@@ -78,7 +78,7 @@ def test_every_set_holds_the_boundary_shapes_within_the_limits(run_seed):
 
 
 def test_a_kernel_with_fixed_tiles_gets_shapes_at_their_boundaries(on, monkeypatch):
-    monkeypatch.setattr(fs.draw, "DRAWING_FOR", [types.SimpleNamespace(tiles=(32, 48))])
+    monkeypatch.setattr(context, "current", lambda: context.Test(impl=types.SimpleNamespace(tiles=(32, 48))))
     shapes = buckets.run_shapes()
     assert set(on) < set(shapes)
     assert {(s.sq, s.sk) for s in shapes} >= {(31, 49), (33, 47), (65, 97)}, "expected lengths one off each tile"

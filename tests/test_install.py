@@ -95,7 +95,7 @@ def test_ci_template_cpu_job_passes_on_a_correct_kernel(kernel_repo):
 
 
 def test_ci_template_gpu_job_installs_what_it_runs_and_refuses_a_machine_without_cuda(kernel_repo):
-    from flashcheck.impls.call import cuda_available
+    from flashcheck.contract.call import cuda_available
 
     if cuda_available():
         pytest.skip("this machine has CUDA: the job would run")

@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from flashcheck.impls import ContractError, KnownIssue, builtin, builtins, implementation, load
+from flashcheck.contract import ContractError, KnownIssue, builtins, implementation, load
+from flashcheck.impls import builtin
+from flashcheck.strategies import context
 
 pytestmark = pytest.mark.properties
 ROOT = Path(__file__).resolve().parent.parent
@@ -64,7 +66,7 @@ def test_a_plugin_imports_its_sibling_files_by_path_from_any_directory_and_by_mo
 @pytest.mark.parametrize("spec,words", [
     ("nowhere/missing.py:attention", "no such file"),
     ("examples/numpy_rowwise.py:nope", "has no attribute 'nope'"),
-    ("flashcheck.impls.checks:check_inputs", "not decorated"),
+    ("flashcheck.contract.checks:check_inputs", "not decorated"),
     ("no_such_module_xyz:f", "cannot import module"),
     ("examples/numpy_rowwise.py", "expected FILE.py:function"),
     ("no-such-builtin", "not a built-in implementation"),
@@ -150,7 +152,7 @@ def test_a_known_issue_whose_predicate_raises_on_its_witness_is_refused():
 
 
 def test_a_witness_inside_the_declaration_loads_and_is_judged_by_the_kernel_s_precision():
-    from flashcheck.impls import capabilities
+    from flashcheck.contract import capabilities
 
     record = implementation(name="x", dtypes=("float16",), causal="top_left", head_dims=(8, 8), precision="naive",
                             softcap=True, known_issues=[_issue(dict(d=8, dv=8, dtype="float16", softcap=2.0))],
@@ -167,7 +169,7 @@ def test_the_witness_check_and_the_strategies_agree_on_what_lies_inside_a_declar
     """Two readings of one declaration: a case passes the witness check exactly when fitting leaves it as it is."""
     from itertools import product
 
-    from flashcheck.impls import capabilities
+    from flashcheck.contract import capabilities
     from flashcheck.strategies import AttentionCase, draw
 
     record = implementation(name="x", **{"dtypes": ("float64",), **kw}, register=False)(lambda q, k, v, **_: q)
@@ -210,16 +212,18 @@ def test_a_spent_time_budget_ends_a_property_after_the_cases_already_run(monkeyp
     def prop(case):
         ran.append(fs.fit(impl, case))
 
-    monkeypatch.setattr(fs.draw, "LAST_FITTED", [None])
-    monkeypatch.setattr(fs.draw, "BUDGET", [time.monotonic() - 1])  # spent before the property starts
-    prop()
+    context.begin(budget=time.monotonic() - 1)  # spent before the property starts
+    try:
+        prop()
+    finally:
+        context.end()
     assert len(ran) == 1, f"expected the first case alone once the budget is spent, ran {len(ran)}"
 
 
 def test_repeated_impl_and_the_environment_select_the_same_implementations():
     args = ["-m", "properties", "-q", "--collect-only", "properties/test_forward.py"]
     both = _pytest(*args, "--impl", "examples/numpy_rowwise.py:attention", "--impl", "flashcheck.impls.numpy_ref:dense_forward")
-    env = _pytest(*args, env={"FLASHCHECK_IMPL": "examples/numpy_rowwise.py:attention,impls.numpy_ref:dense_forward"})
+    env = _pytest(*args, env={"FLASHCHECK_IMPL": "examples/numpy_rowwise.py:attention,flashcheck.impls.numpy_ref:dense_forward"})
     for run in (both, env):
         assert "[numpy-rowwise]" in run.stdout and "[numpy-dense]" in run.stdout, run.stdout[-2000:]
         assert "[torch-tiled]" not in run.stdout, "built-ins must not run when implementations are named"

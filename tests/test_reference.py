@@ -13,7 +13,7 @@ from hypothesis import example, given, note
 
 from flashcheck import oracle as orc
 from flashcheck import strategies as fs
-from flashcheck.impls import numpy_ref
+from flashcheck.oracle import reference as dense
 from flashcheck.properties import helpers as ph
 from flashcheck.strategies import AttentionCase as Case
 
@@ -29,8 +29,8 @@ def small(case):
 def reference(case):
     q, k, v, do = case.inputs()
     kw = case.reference_kwargs()
-    o, lse = numpy_ref.dense_forward(q, k, v, **kw)
-    return (o, lse) + tuple(numpy_ref.dense_backward(q, k, v, o, lse, do, **kw))
+    o, lse = dense.dense_forward(q, k, v, **kw)
+    return (o, lse) + tuple(dense.dense_backward(q, k, v, o, lse, do, **kw))
 
 
 def torch_attention(case):
@@ -96,12 +96,12 @@ def test_dense_reference_matches_exactly_summed_python_rows(case):
 @pytest.mark.parametrize("check", [test_dense_reference_matches_torch_autograd_in_float64,
                                    test_dense_reference_matches_exactly_summed_python_rows])
 def test_a_reference_with_its_scale_doubled_is_caught(check, monkeypatch):
-    real = numpy_ref.dense_forward
+    real = dense.dense_forward
 
     def doubled(q, k, v, *, causal=False, scale=None):
         return real(q, k, v, causal=causal, scale=2 * (1 / math.sqrt(q.shape[-1]) if scale is None else scale))
 
-    monkeypatch.setattr(numpy_ref, "dense_forward", doubled)
+    monkeypatch.setattr(dense, "dense_forward", doubled)
     with pytest.raises(AssertionError, match="reference (o|lse)"):
         check()
 
@@ -114,9 +114,9 @@ def test_analytic_backward_agrees_with_central_differences(case):
     """The reference's analytic gradients against central differences of its own forward, in float64."""
     q, k, v, do = case.inputs()
     kw = case.reference_kwargs()
-    o, lse = numpy_ref.dense_forward(q, k, v, **kw)
-    grads = numpy_ref.dense_backward(q, k, v, o, lse, do, **kw)
-    checks = ph.central_differences(case, lambda q, k, v: numpy_ref.dense_forward(q, k, v, **kw)[0], grads)
+    o, lse = dense.dense_forward(q, k, v, **kw)
+    grads = dense.dense_backward(q, k, v, o, lse, do, **kw)
+    checks = ph.central_differences(case, lambda q, k, v: dense.dense_forward(q, k, v, **kw)[0], grads)
     ph.assert_agree("numpy-dense", case, checks)
 
 
@@ -134,11 +134,11 @@ def test_reference_backward_with_every_feature_agrees_with_central_differences(c
         kw.update(dropout_p=case.dropout_p, dropout_mask=keep)
     sinks = kw.pop("sinks", None)
     sinks = None if sinks is None else sinks.astype(np.float64)
-    o, lse = numpy_ref.dense_forward(q, k, v, sinks=sinks, **kw)
-    grads = numpy_ref.dense_backward(q, k, v, o, lse, do, sinks=sinks, **kw)
+    o, lse = dense.dense_forward(q, k, v, sinks=sinks, **kw)
+    grads = dense.dense_backward(q, k, v, o, lse, do, sinks=sinks, **kw)
 
     def forward(q, k, v, sinks=None):
-        return numpy_ref.dense_forward(q, k, v, **kw, **({} if sinks is None else {"sinks": sinks}))[0]
+        return dense.dense_forward(q, k, v, **kw, **({} if sinks is None else {"sinks": sinks}))[0]
 
     for name, numeric, analytic, bound in ph.central_differences(case, forward, grads, sinks):
         note(f"d{name}: central difference {float(numeric)!r}, analytic {float(analytic)!r}, allowed {bound:.3e}")

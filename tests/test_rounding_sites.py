@@ -1,4 +1,4 @@
-"""Every place where a correct kernel may round (impls/rounding.py's catalogue) is admitted by the
+"""Every place where a correct kernel may round (flashcheck/oracle/rounding.py's catalogue) is admitted by the
 rule under the declaration that names it: no false alarm on a correct kernel that rounds elsewhere.
 
 A NumPy emulator of each site (``rounding.fused(..., sites=...)``) runs over deterministic cases of
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from flashcheck import oracle as orc
-from flashcheck.impls.rounding import SITES, Precision, Sites, fused
+from flashcheck.oracle.rounding import SITES, Precision, Sites, fused
 from tests import oracle_power as op
 from flashcheck.strategies import REGIMES, AttentionCase as Case
 

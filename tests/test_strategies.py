@@ -9,8 +9,9 @@ from hypothesis import strategies as st
 from flashcheck import oracle as orc
 from flashcheck import strategies as fs
 from flashcheck.properties import helpers as ph
-from flashcheck.impls.rounding import HALF
+from flashcheck.oracle.rounding import HALF
 from flashcheck.strategies import AttentionCase as Case
+from flashcheck.strategies import context
 
 pytestmark = [pytest.mark.properties, ph.CPU_PROFILES_ONLY]
 
@@ -109,7 +110,7 @@ def test_inputs_are_exact_in_the_case_dtype_and_replay_bit_for_bit(case):
 
 def _declared():
     """Built-ins, the examples, and one kernel that declares every limit at once."""
-    from flashcheck.impls import builtins, implementation, load
+    from flashcheck.contract import builtins, implementation, load
 
     narrow = implementation(name="narrow", causal="bottom_right", causal_only=True, head_dims=range(4, 33, 4),
                             min_seq=3, max_seq=20, seq_multiple=3, gqa=False, blocks=(16, 32), masked_rows=False,
@@ -209,11 +210,11 @@ def _sample(strategy, n=200):
 
 
 def test_declared_tiles_draw_lengths_around_their_multiples(monkeypatch):
-    from flashcheck.impls import implementation
+    from flashcheck.contract import implementation
 
     impl = implementation(name="tiled", tiles=(32, 48), dtypes=("float64",), register=False)(
         lambda q, k, v, **_: q).__flashcheck__
-    monkeypatch.setattr(fs.draw, "DRAWING_FOR", [impl])
+    monkeypatch.setattr(context, "current", lambda: context.Test(impl=impl))
     fitted = fs.cases(dtypes=("float64",)).map(lambda c: fs.draw.within(impl, c))
     for name, tile in (("sq", 32), ("sk", 48)):
         for n in (tile - 1, tile, tile + 1, 2 * tile):
@@ -270,7 +271,7 @@ def test_every_numeric_property_pins_every_dtype_and_regime_pair():
 def test_a_long_case_is_not_drawn_for_a_kernel_without_half_precision():
     from hypothesis.errors import UnsatisfiedAssumption
 
-    from flashcheck.impls import builtins
+    from flashcheck.contract import builtins
 
     impl = {i.name: i for i in builtins()}["numpy-tiled"]  # float32 and float64 only
 

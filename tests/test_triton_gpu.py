@@ -20,7 +20,7 @@ pytest.importorskip("triton")
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA, which this machine lacks")]
 
-from flashcheck.impls.rounding import HALF as DTYPES  # noqa: E402
+from flashcheck.oracle.rounding import HALF as DTYPES  # noqa: E402
 
 
 def _tf():
@@ -46,10 +46,10 @@ def _run(tf, q, k, v, do, **kw):
 
 
 def _dense64(q, k, v, do, causal, scale):
-    from flashcheck.impls import numpy_ref
+    from flashcheck.oracle import reference
     qn, kn, vn, don = (x.double().cpu().numpy() for x in (q, k, v, do))
-    o, lse = numpy_ref.dense_forward(qn, kn, vn, causal=causal, scale=scale)
-    return (o, lse) + numpy_ref.dense_backward(qn, kn, vn, o, lse, don, causal=causal, scale=scale)
+    o, lse = reference.dense_forward(qn, kn, vn, causal=causal, scale=scale)
+    return (o, lse) + reference.dense_backward(qn, kn, vn, o, lse, don, causal=causal, scale=scale)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

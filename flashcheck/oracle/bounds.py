@@ -1,15 +1,15 @@
-"""The rounding terms of the oracle's rule, per entry of every result (flashcheck/oracle.py's doc).
+"""The rounding terms of the oracle's rule, per entry of every result (flashcheck/oracle/rule.py's doc).
 
 ``rounding_bounds`` reads the dense float64 intermediates of a case (the oracle's ``_Parts``) and
 returns, for O, LSE, dQ, dK and dV, how far a correct kernel of the declared precision may land
-from the truth through rounding. Every place where correct kernels round (impls/rounding.py's
+from the truth through rounding. Every place where correct kernels round (flashcheck/oracle/rounding.py's
 catalogue) has its term here; the comments name the site.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from flashcheck.impls.rounding import HALF, Precision
+from flashcheck.oracle.rounding import HALF, Precision
 from flashcheck.strategies.case import EPS
 
 # Variance of a rounding error bounded by w: uniform on [-h, h] with h/w spread as the position of

@@ -5,8 +5,8 @@ Every result X of a case in dtype t is held, entry by entry, to
     |X - X_true|  <=  min(worst, Z * sigma)  +  coherent  +  0.75 ulp_t(X_true)
 
 X_true is dense attention in float64 on the same (already t-exact) inputs. The terms, built in
-flashcheck/bounds.py, bound the rounding of a correct fused kernel in t (impls/rounding.py) and of
-every other place a correct kernel rounds (impls/rounding.py's catalogue: some always admitted,
+bounds.py, bound the rounding of a correct fused kernel in t (rounding.py) and of
+every other place a correct kernel rounds (rounding.py's catalogue: some always admitted,
 some only under the declared precision that names them, "tf32", "dense", "prescaled"):
 
 - Each term of the sum behind an entry (p_ij v_j for O, P_ij dO_i for dV, dS_ij k_j for dQ,
@@ -45,9 +45,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flashcheck import bounds
-from flashcheck.impls import numpy_ref
-from flashcheck.impls.rounding import DECLARES, HALF, PRECISIONS, RESULTS, Precision, fused
+from flashcheck.oracle import bounds
+from flashcheck.oracle import reference
+from flashcheck.oracle.rounding import DECLARES, HALF, PRECISIONS, RESULTS, Precision, fused
 from flashcheck.strategies.case import EPS, AttentionCase, quantize
 
 ULP_FLOOR = 0.25  # ulps allowed beyond the half ulp of rounding the result
@@ -97,7 +97,7 @@ def _group(case, x):
 def _parts(case: AttentionCase) -> _Parts:
     q, k, v, do = case.inputs()
     kw = case.reference_kwargs()
-    p, lse, (qg, kg, vg, sc, _), extra = numpy_ref.dense_probs(q, k, v, who="oracle", **kw)
+    p, lse, (qg, kg, vg, sc, _), extra = reference.dense_probs(q, k, v, who="oracle", **kw)
     s = np.where(case.visible(), extra["s"], 0.0)  # softcapped, ALiBi-biased logits where visible
     return _Parts(qg, kg, vg, _group(case, do), s, p, p @ vg, lse, sc, extra["psink"])
 
@@ -116,15 +116,15 @@ def truth(case: AttentionCase) -> Truth:
     """Dense float64 attention and its analytic gradients on the case's inputs."""
     q, k, v, do = case.inputs()
     kw = case.reference_kwargs()
-    o, lse = numpy_ref.dense_forward(q, k, v, **kw)
-    dq, dk, dv, *dsinks = numpy_ref.dense_backward(q, k, v, o, lse, do, **kw)
+    o, lse = reference.dense_forward(q, k, v, **kw)
+    dq, dk, dv, *dsinks = reference.dense_backward(q, k, v, o, lse, do, **kw)
     logit_max = float(np.abs(_parts(case).s).max(initial=0))
     return Truth(o, lse, dq, dk, dv, dsinks[0] if dsinks else None, logit_max)
 
 
 @functools.lru_cache(maxsize=32)
 def model(case: AttentionCase) -> dict:
-    """What a correct fused kernel of the case's dtype and precision returns (impls/rounding.py)."""
+    """What a correct fused kernel of the case's dtype and precision returns (rounding.py)."""
     q, k, v, do = case.inputs()
     return fused(q, k, v, do, case.visible(), _parts(case).scale, Precision.of(case.dtype, case.precision))
 
@@ -178,7 +178,7 @@ def _swap(x):
 
 @functools.lru_cache(maxsize=32)
 def _rounding_bounds(case: AttentionCase) -> dict:
-    """The rounding terms of the rule (module doc, flashcheck/bounds.py), per entry, for every result."""
+    """The rounding terms of the rule (module doc, bounds.py), per entry, for every result."""
     with np.errstate(over="ignore"):  # squares of heavy-tailed float32 terms: an infinite variance is honest
         return bounds.rounding_bounds(case, _parts(case), _dscores(case), half_spacing)
 
@@ -332,7 +332,7 @@ class Mismatch(AssertionError):
 
 def explain(case: AttentionCase, name: str, got: np.ndarray, err: np.ndarray) -> str:
     """Lines for a failure report: how the error compares with plain dense attention in the case's
-    dtype, and which declared precision (a rounding site, impls/rounding.py) would admit it."""
+    dtype, and which declared precision (a rounding site, flashcheck/oracle/rounding.py) would admit it."""
     if name not in RESULTS or case.dtype == "float64":
         return ""
     lines = []
@@ -423,4 +423,4 @@ def check_bias(case, name, got, want, label=""):
 
 def dense64(case: AttentionCase, q, k, v) -> np.ndarray:
     """Dense float64 output for the case's settings on other inputs (e.g. transformed ones)."""
-    return numpy_ref.dense_forward(q, k, v, **case.reference_kwargs())[0]
+    return reference.dense_forward(q, k, v, **case.reference_kwargs())[0]

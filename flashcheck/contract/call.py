@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flashcheck.impls import Implementation
+from flashcheck.contract import Implementation
+from flashcheck.oracle.rounding import RESULTS
 
 
 @dataclass
@@ -190,3 +191,28 @@ def _np(t):
     import torch
 
     return t.detach().to("cpu", dtype=torch.float64).numpy()
+
+
+def repeat_differences(impl, case, calls: int = 2) -> list[str]:
+    """Call ``impl`` ``calls`` times on the case's input; one line per result that is not
+    bitwise identical across calls (NaN counts as equal to NaN)."""
+    q, k, v, do = case.inputs()
+    do = do if impl.has_backward else None
+    first, lines = run(impl, case, q, k, v, do), []
+    for _ in range(calls - 1):
+        again = run(impl, case, q, k, v, do)
+        for name in RESULTS:
+            a, b = getattr(first, name), getattr(again, name)
+            if a is None or b is None:
+                continue
+            same = (a.view(np.uint64) == b.view(np.uint64)) | (np.isnan(a) & np.isnan(b))
+            if same.all():
+                continue
+            with np.errstate(invalid="ignore"):
+                gap = np.where(same, 0.0, np.nan_to_num(np.abs(a - b), nan=np.inf))
+            idx = tuple(int(i) for i in np.unravel_index(np.argmax(gap), gap.shape))
+            lines.append(f"{name}: {int((~same).sum())} of {a.size} entries differ; largest difference "
+                         f"{gap[idx]:.3e} at {idx} ({float(a[idx])!r} then {float(b[idx])!r})")
+        if lines:
+            break
+    return lines

@@ -6,7 +6,7 @@ for a kernel author reading a skip line: what was declared, and what the propert
 """
 from __future__ import annotations
 
-from flashcheck.impls import Implementation
+from flashcheck.contract import Implementation
 
 
 def _lengths_can_differ(i: Implementation) -> bool:
@@ -42,9 +42,9 @@ def _masked(i: Implementation) -> str | None:
 
 
 def _independent(i: Implementation) -> str | None:
-    from flashcheck.impls import numpy_ref
+    from flashcheck.oracle import reference
 
-    if i.fn is numpy_ref.dense_forward:
+    if i.fn is reference.dense_forward:
         return (f"{i.name} is the oracle's own code: comparing it with the truth is a tautology "
                 "(tests/test_reference.py checks it against independent computations)")
     return None
@@ -152,7 +152,7 @@ def _witness_fields(case, impl: Implementation) -> list[str]:
 def check_witnesses(impl: Implementation) -> None:
     """Refuse a known issue whose witness the implementation could never be asked to run: a witness
     outside the declaration would be run as written, and its failure reported as "not as declared"."""
-    from flashcheck.impls import ContractError
+    from flashcheck.contract import ContractError
     from flashcheck.strategies.case import AttentionCase
 
     known = set(AttentionCase.__dataclass_fields__)

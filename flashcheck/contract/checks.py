@@ -1,0 +1,97 @@
+"""Input validation shared by every built-in implementation: bad input is named, never computed."""
+from __future__ import annotations
+
+__all__ = ["alignment", "check_blocks", "check_features", "check_inputs", "check_tensors", "dtype_name", "offset"]
+
+
+def dtype_name(x) -> str:
+    """'float32' for a numpy array or a torch tensor alike."""
+    return str(x.dtype).removeprefix("torch.")
+
+
+def check_tensors(q, k, v, *, devices, who: str):
+    """q, k, v are torch tensors on one device, of a type ``devices`` names ("cpu", "cuda")."""
+    import torch
+
+    for label, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{who}: {label} must be a torch.Tensor, got {type(x).__name__}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"{who}: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if q.device.type not in devices:
+        raise ValueError(f"{who}: unsupported device {q.device}; supported: {', '.join(devices)}")
+
+
+def check_inputs(q, k, v, *, dtypes, who: str):
+    """Validate q, k, v against docs/design.md's layout; return (B, Hq, Hkv, Sq, Sk, D, Dv)."""
+    for label, x in (("q", q), ("k", k), ("v", v)):
+        if getattr(x, "ndim", None) != 4:
+            raise ValueError(f"{who}: {label} must have rank 4 (batch, heads, seq, dim), "
+                             f"got shape {tuple(getattr(x, 'shape', ()))}")
+        if dtype_name(x) not in dtypes:
+            raise TypeError(f"{who}: {label} has unsupported dtype {dtype_name(x)}; supported: {', '.join(dtypes)}")
+    if not (dtype_name(q) == dtype_name(k) == dtype_name(v)):
+        raise TypeError(f"{who}: q, k, v must share one dtype, got {dtype_name(q)}, {dtype_name(k)}, {dtype_name(v)}")
+    (b, hq, sq, d), (bk, hkv, sk, dk), (bv, hv, sv, dv) = q.shape, k.shape, v.shape
+    if not (b == bk == bv):
+        raise ValueError(f"{who}: batch sizes differ: q {b}, k {bk}, v {bv}")
+    if hkv != hv:
+        raise ValueError(f"{who}: k has {hkv} heads but v has {hv}")
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"{who}: query heads ({hq}) must be a multiple of key/value heads ({hkv})")
+    if sk != sv:
+        raise ValueError(f"{who}: k has sequence length {sk} but v has {sv}")
+    if d != dk:
+        raise ValueError(f"{who}: q head dim {d} differs from k head dim {dk}")
+    if min(b, hq, sq, sk, d, dv) < 1:
+        raise ValueError(f"{who}: every dimension must be >= 1, got q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}")
+    return b, hq, hkv, sq, sk, d, dv
+
+
+def check_blocks(block_q, block_k, *, who: str):
+    for label, blk in (("block_q", block_q), ("block_k", block_k)):
+        if not isinstance(blk, int) or isinstance(blk, bool) or blk < 1:
+            raise ValueError(f"{who}: {label} must be an int >= 1, got {blk!r}")
+
+
+def alignment(causal) -> str | None:
+    """Map the ``causal=`` argument (False, True, or an alignment name) to an alignment or None."""
+    if causal is False or causal is None:
+        return None
+    if causal is True:
+        return "bottom_right"
+    if causal in ("bottom_right", "top_left"):
+        return causal
+    raise ValueError(f"causal must be a bool, 'bottom_right' or 'top_left', got {causal!r}")
+
+
+def offset(sq: int, sk: int, align: str | None) -> int:
+    """Query i sees key j iff j <= i + offset (docs/design.md); None means every key is visible."""
+    return sk - sq if align == "bottom_right" else 0
+
+
+def check_features(q, *, who: str, window=None, softcap=0.0, alibi_slopes=None, sinks=None, dropout_p=0.0):
+    """Validate the feature arguments (docs/features.md) against q (B, Hq, Sq, D); a numpy array or a
+    torch tensor alike. Returns the window as a tuple, or None when it is off."""
+    b, hq = q.shape[0], q.shape[1]
+    if window is not None:
+        ok = len(window) == 2 and all(isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window)
+        if not ok:
+            raise ValueError(f"{who}: window must be (left, right), ints >= -1 (-1 = unbounded), got {window!r}")
+        window = None if tuple(window) == (-1, -1) else tuple(window)
+    if not (isinstance(softcap, (int, float)) and softcap >= 0):
+        raise ValueError(f"{who}: softcap must be a float >= 0 (0 = off), got {softcap!r}")
+    for label, x, shapes in (("alibi_slopes", alibi_slopes, ((hq,), (b, hq))), ("sinks", sinks, ((hq,),))):
+        if x is None:
+            continue
+        if tuple(getattr(x, "shape", ())) not in shapes:
+            raise ValueError(f"{who}: {label} must have shape {' or '.join(map(str, shapes))}, "
+                             f"got {tuple(getattr(x, 'shape', ())) or type(x).__name__}")
+        if dtype_name(x) != "float32":
+            raise TypeError(f"{who}: {label} must be float32, got {dtype_name(x)}")
+        if getattr(x, "device", None) != getattr(q, "device", None):
+            raise ValueError(f"{who}: {label} is on {x.device}, q on {q.device}")
+    if not (isinstance(dropout_p, (int, float)) and 0 <= dropout_p < 1):
+        raise ValueError(f"{who}: dropout_p must be in [0, 1), got {dropout_p!r}")
+    return window

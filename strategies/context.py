@@ -1,0 +1,47 @@
+"""What the running test told the strategies, and what they found: one object per test.
+
+The pytest plugin opens a ``Test`` around each test (``begin`` in setup, ``end`` in teardown);
+the strategies read it (the implementation drawn for, the test's pins, its time budget) and
+write to it (the latest fitted case, the latest refusal, the pins not run as written), and the
+plugin and the report read those afterwards. It lives in a context variable, as Hypothesis keeps
+its own per-test state; outside a test there is a fresh one with nothing set.
+"""
+from __future__ import annotations
+
+import contextvars
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Test:
+    impl: object = None  # the implementation the test draws for: lengths go around its declared tiles
+    pins: frozenset = frozenset()  # the test's @example cases
+    coverage: frozenset = frozenset()  # those written to cover a (dtype, regime) pair: refitting is their job
+    budget: float | None = None  # time.monotonic() past which generated cases are refused
+    first_pass: object = False  # True in the plugin's first pass (flashcheck/firstpass.py), then the pin it ran
+    last_fitted: tuple | None = None  # (impl, case) of the latest fit: the case a failure report shows
+    last_refusal: str | None = None  # why the latest case was rejected: shown when no case fits at all
+    pin_reports: list[str] = field(default_factory=list)  # pins refitted or not run, reported after the test
+
+
+_CURRENT: contextvars.ContextVar[Test] = contextvars.ContextVar("flashcheck_test")
+
+
+def current() -> Test:
+    try:
+        return _CURRENT.get()
+    except LookupError:
+        test = Test()
+        _CURRENT.set(test)
+        return test
+
+
+def begin(**fields) -> Test:
+    """A fresh Test for the test about to run (the previous one's findings are gone)."""
+    test = Test(**fields)
+    _CURRENT.set(test)
+    return test
+
+
+def end() -> None:
+    _CURRENT.set(Test())
