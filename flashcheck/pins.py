@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from flashcheck.strategies import AttentionCase
+from flashcheck.strategies import AttentionCase, feature_table
 
 BUDGET_S = 30.0  # shrinking is a courtesy on top of a failure already found: keep it bounded
 MAX_TRIES = 200
@@ -62,7 +62,7 @@ def simpler(c: AttentionCase):
     steps += [dict(dv=c.d)] + [dict(dv=m) for m in (1, c.dv // 2, c.dv - 1) if 1 <= m < c.dv]
     steps += [dict(causal=None), dict(scale=None), dict(dtype="float64"), dict(dtype="float32"),
               dict(regime="plain"), dict(seed=0)]
-    steps += [dict(window=None), dict(softcap=0.0), dict(alibi=None), dict(sinks=None), dict(dropout_p=0.0)]
+    steps += [dict(f.off) for f in feature_table.FEATURES]
     for field in ("block_q", "block_k"):
         n = getattr(c, field)
         steps += [{field: 16}] + [{field: m} for m in (1, n // 2, n - 1) if 1 <= m < n]
@@ -78,7 +78,7 @@ def simpler(c: AttentionCase):
 def _size(c: AttentionCase):
     """An order in which shrinking only ever moves down."""
     plain = (c.causal is not None, c.scale is not None, c.dtype != "float64", c.regime != "plain", c.seed != 0,
-             *(f in c.features for f in ("window", "softcap", "alibi", "sinks", "dropout")))
+             *(f in c.features for f in feature_table.NAMES))
     return (c.batch * c.hq * c.sq * c.sk * max(c.d, c.dv), c.batch, c.hq, c.hkv, c.sq + c.sk, c.d + c.dv,
             sum(plain), abs(c.block_q - 16) + abs(c.block_k - 16), c.seed)
 

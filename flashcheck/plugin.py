@@ -261,6 +261,21 @@ def pytest_pycollect_makemodule(module_path, parent):
     return None
 
 
+def pytest_collect_directory(path, parent):
+    """properties/ itself is imported by its one name too (pytest imports a package's __init__.py
+    for its setup_module)."""
+    if Path(str(path)).resolve() == _properties_dir():
+        return _KernelPropertiesPackage.from_parent(parent, path=path)
+    return None
+
+
+class _KernelPropertiesPackage(pytest.Package):
+    def setup(self):
+        import importlib
+
+        importlib.import_module("flashcheck.properties")  # it holds no setup_module to run
+
+
 class _KernelProperties(pytest.Module):
     def _getobj(self):
         import importlib

@@ -10,7 +10,8 @@ import numpy as np
 
 from flashcheck.contract import implementation
 from flashcheck.contract.checks import check_blocks, offset
-from flashcheck.oracle.reference import DTYPES, dense_backward, dense_forward, prepare, visible
+from flashcheck.oracle.reference import DTYPES, dense_backward, dense_forward, prepare
+from flashcheck.strategies.case import visible
 
 __all__ = ["dense_backward", "dense_forward", "tiled_backward", "tiled_forward"]
 

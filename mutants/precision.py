@@ -17,8 +17,9 @@ import numpy as np
 import torch
 
 from flashcheck import implementation
-from flashcheck.contract.checks import alignment, check_inputs, offset
+from flashcheck.contract.checks import alignment, check_inputs
 from flashcheck.oracle.rounding import round_to
+from flashcheck.strategies.case import visible
 
 BUGS = {
     "o_accumulated_in_half": "O accumulated in the input type across key tiles",
@@ -37,12 +38,6 @@ def _tiles(n):
     return [(a, min(a + BLOCK, n)) for a in range(0, n, BLOCK)]
 
 
-def _visible(sq, sk, align, rows, cols):
-    if align is None:
-        return np.ones((len(rows), len(cols)), bool)
-    return cols[None, :] <= rows[:, None] + offset(sq, sk, align)
-
-
 def forward(qg, kg, vg, t, align, scale, bug):
     """Online softmax over key tiles; qg (B, Hkv, G, Sq, D) against kg, vg (B, Hkv, 1, Sk, .)."""
     sq, sk = qg.shape[-2], kg.shape[-2]
@@ -54,7 +49,7 @@ def forward(qg, kg, vg, t, align, scale, bug):
         s = (qg @ np.swapaxes(kg[..., k0:k1, :], -1, -2)) * F32(scale)
         if bug == "scores_in_half":
             s = r(s)
-        s = np.where(_visible(sq, sk, align, np.arange(sq), np.arange(k0, k1)), s, -np.inf)
+        s = np.where(visible(sq, sk, align, np.arange(sq), np.arange(k0, k1)), s, -np.inf)
         m_new = np.maximum(m, s.max(-1))
         shift = np.where(np.isfinite(m_new), m_new, 0).astype(F32)
         arg = s - shift[..., None]
@@ -86,7 +81,7 @@ def backward(qg, kg, vg, o, lse, dog, t, align, scale, bug):
         kt, vt = kg[..., k0:k1, :], vg[..., k0:k1, :]
         for q0, q1 in _tiles(sq):
             s = (qg[..., q0:q1, :] @ np.swapaxes(kt, -1, -2)) * F32(scale)
-            s = np.where(_visible(sq, sk, align, np.arange(q0, q1), np.arange(k0, k1)), s, -np.inf)
+            s = np.where(visible(sq, sk, align, np.arange(q0, q1), np.arange(k0, k1)), s, -np.inf)
             arg = s - shift[..., q0:q1, None]
             p = np.exp(r(arg) if bug == "exp_argument_in_half" else arg)
             dv[..., k0:k1, :] += (np.swapaxes(r(p), -1, -2) @ dog[..., q0:q1, :]).sum(2, dtype=F32)

@@ -18,10 +18,11 @@ from flashcheck.contract import call
 from flashcheck.oracle import reference
 from flashcheck.properties import helpers as ph
 from flashcheck.strategies import AttentionCase as Case
+from flashcheck.strategies import feature_table
 
 pytestmark = pytest.mark.properties
 
-FEATURES = ("window", "softcap", "alibi", "sinks")
+FEATURES = feature_table.DETERMINISTIC  # dropout has its own properties (test_dropout.py)
 
 
 def _compare_all(impl, case, res, names, who=None):

@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields, replace
 import numpy as np
 
 from flashcheck.oracle.rounding import PRECISIONS
+from flashcheck.strategies import feature_table
 
 REGIMES = ("plain", "large", "negative", "equal", "dominant", "ties", "heavy")
 ALIGNMENTS = (None, "bottom_right", "top_left")
@@ -24,7 +25,7 @@ EPS = {"float64": 2.0 ** -52, "float32": 2.0 ** -23, "bfloat16": 2.0 ** -7, "flo
 MAX_INPUT = {"float64": 1e150, "float32": 1e30, "bfloat16": 1e30, "float16": 3e4}
 # The features' "off" values: a case prints only the features it turns on, so cases without
 # them print (and replay) exactly as before the features existed.
-FEATURES_OFF = dict(window=None, softcap=0.0, alibi=None, sinks=None, dropout_p=0.0, dropout_seed=0)
+FEATURES_OFF = feature_table.OFF
 # A printed case, as failure messages hold it (its fields may hold tuples of tuples).
 CASE_PATTERN = re.compile(r"AttentionCase\((?:[^()]|\((?:[^()]|\([^()]*\))*\))*\)")
 
@@ -36,6 +37,28 @@ def _literal(x) -> str:
     if isinstance(x, float) and math.isinf(x):
         return "-1e999" if x < 0 else "1e999"
     return repr(x)
+
+
+def visible(sq: int, sk: int, align: str | None, rows=None, cols=None, window=None) -> np.ndarray:
+    """Boolean (rows x cols) mask of which keys each query sees: the causal mask AND the window
+    (docs/design.md), for the given query ``rows`` and key ``cols`` (every one by default).
+
+    The window is bottom-right aligned like FlashAttention's: query i sees key j iff
+    i + Sk - Sq - left <= j <= i + Sk - Sq + right, a side of -1 being unbounded.
+    """
+    rows = np.arange(sq) if rows is None else rows
+    cols = np.arange(sk) if cols is None else cols
+    vis = np.ones((len(rows), len(cols)), dtype=bool)
+    if align is not None:
+        vis &= cols[None, :] <= rows[:, None] + (sk - sq if align == "bottom_right" else 0)
+    if window is not None:
+        left, right = window
+        dist = cols[None, :] - (rows[:, None] + sk - sq)  # key position relative to the query's diagonal
+        if left >= 0:
+            vis &= dist >= -left
+        if right >= 0:
+            vis &= dist <= right
+    return vis
 
 
 @dataclass(frozen=True, repr=False)
@@ -83,16 +106,10 @@ class AttentionCase:
             raise ValueError(f"dtype must be one of {tuple(EPS)}, got {self.dtype!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
-        if self.window is not None and not (len(self.window) == 2 and all(w >= -1 for w in self.window)):
-            raise ValueError(f"window must be (left, right) with each side >= -1, got {self.window!r}")
-        if not self.softcap >= 0:
-            raise ValueError(f"softcap must be >= 0 (0 = off), got {self.softcap!r}")
-        if self.alibi is not None and np.shape(self.alibi) not in ((self.hq,), (self.batch, self.hq)):
-            raise ValueError(f"alibi must hold {self.hq} slopes, or {self.batch} tuples of them, got {self.alibi!r}")
-        if self.sinks is not None and len(self.sinks) != self.hq:
-            raise ValueError(f"sinks must hold one logit per query head ({self.hq}), got {self.sinks!r}")
-        if not 0 <= self.dropout_p < 1:
-            raise ValueError(f"dropout_p must be in [0, 1), got {self.dropout_p!r}")
+        for feature in feature_table.FEATURES:
+            wrong = feature.invalid(self)
+            if wrong:
+                raise ValueError(wrong)
 
     def replace(self, **changes) -> "AttentionCase":
         return replace(self, **changes)
@@ -107,14 +124,9 @@ class AttentionCase:
         Dropout is not among them: its mask is the implementation's (see properties/test_dropout.py).
         """
         kw = dict(causal=self.causal or False, scale=self.scale)
-        if self.window is not None:
-            kw["window"] = self.window
-        if self.softcap:
-            kw["softcap"] = self.softcap
-        if self.alibi is not None:
-            kw["alibi_slopes"] = self.alibi_slopes()
-        if self.sinks is not None:
-            kw["sinks"] = self.sink_logits()
+        for feature in feature_table.FEATURES:
+            if feature.on(self):
+                kw.update(feature.reference(self))
         return kw
 
     def alibi_slopes(self) -> np.ndarray | None:
@@ -128,9 +140,7 @@ class AttentionCase:
     @property
     def features(self) -> tuple[str, ...]:
         """The features this case turns on, by their declaration names."""
-        on = {"window": self.window is not None, "softcap": self.softcap > 0, "alibi": self.alibi is not None,
-              "sinks": self.sinks is not None, "dropout": self.dropout_p > 0}
-        return tuple(name for name, flag in on.items() if flag)
+        return tuple(f.name for f in feature_table.FEATURES if f.on(self))
 
     @property
     def offset(self) -> int:
@@ -138,13 +148,7 @@ class AttentionCase:
 
     def visible(self) -> np.ndarray:
         """(Sq, Sk) boolean: which keys each query row sees (the causal mask and the window)."""
-        i, j = np.arange(self.sq)[:, None], np.arange(self.sk)[None, :]
-        vis = np.ones((self.sq, self.sk), bool) if self.causal is None else j <= i + self.offset
-        if self.window is not None:
-            left, right = self.window
-            dist = j - (i + self.sk - self.sq)
-            vis = vis & (dist >= -left if left >= 0 else True) & (dist <= right if right >= 0 else True)
-        return vis
+        return visible(self.sq, self.sk, self.causal, window=self.window)
 
     @property
     def has_masked_rows(self) -> bool:

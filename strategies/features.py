@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-FEATURES = ("window", "softcap", "alibi", "sinks", "dropout")
+from flashcheck.strategies.feature_table import BY_NAME, NAMES as FEATURES
+
 # tiny (saturating: every logit pinned near +-c) ... huge (the identity)
 SOFTCAPS = (1.0, 1e-3, 0.05, 0.5, 5.0, 30.0, 1e6)
 # from -inf-like (exp underflows in every dtype) to dominant (the sink outweighs every key)
@@ -68,28 +69,32 @@ def feature_fields(draw, features, *, batch: int, hq: int, seq: int) -> dict:
     if unknown:
         raise ValueError(f"unknown features {sorted(unknown)}; known: {FEATURES}")
     out = {}
-    on = {f: draw(st.booleans(), label=f"{f} on") for f in FEATURES if f in features}
-    if on.get("window"):
-        out["window"] = draw(windows(seq))
-    if on.get("softcap"):
-        out["softcap"] = draw(softcaps(), label="softcap")
-    if on.get("alibi"):
-        out["alibi"] = draw(slopes(batch, hq))
-    if on.get("sinks"):
-        out["sinks"] = draw(sinks(hq))
-    if on.get("dropout"):
-        out["dropout_p"] = draw(st.sampled_from(DROPOUTS), label="dropout_p")
-        out["dropout_seed"] = draw(st.integers(0, 2**31 - 1), label="dropout_seed")
+    on = [f for f in FEATURES if f in features and draw(st.booleans(), label=f"{f} on")]
+    for name in on:
+        out.update(draw(STRATEGIES[name](batch=batch, hq=hq, seq=seq)))
     return out
+
+
+@st.composite
+def _dropout(draw):
+    return {"dropout_p": draw(st.sampled_from(DROPOUTS), label="dropout_p"),
+            "dropout_seed": draw(st.integers(0, 2**31 - 1), label="dropout_seed")}
+
+
+# Each feature's strategy, by its name in the feature table: the case fields it turns on.
+STRATEGIES = {
+    "window": lambda batch, hq, seq: windows(seq).map(lambda w: {"window": w}),
+    "softcap": lambda batch, hq, seq: softcaps().map(lambda c: {"softcap": c}),
+    "alibi": lambda batch, hq, seq: slopes(batch, hq).map(lambda s: {"alibi": s}),
+    "sinks": lambda batch, hq, seq: sinks(hq).map(lambda s: {"sinks": s}),
+    "dropout": lambda batch, hq, seq: _dropout(),
+}
 
 
 def fit_features(impl, case):
     """Turn off every feature ``impl`` does not declare."""
-    from flashcheck.strategies.case import FEATURES_OFF
-
     off = {}
-    for feature, fields in (("window", ("window",)), ("softcap", ("softcap",)), ("alibi", ("alibi",)),
-                            ("sinks", ("sinks",)), ("dropout", ("dropout_p", "dropout_seed"))):
-        if not getattr(impl, feature, False):
-            off.update({f: FEATURES_OFF[f] for f in fields if getattr(case, f) != FEATURES_OFF[f]})
+    for name in FEATURES:
+        if not getattr(impl, name, False):
+            off.update({f: v for f, v in BY_NAME[name].off.items() if getattr(case, f) != v})
     return case.replace(**off) if off else case

@@ -7,10 +7,12 @@ the function back unchanged, so a kernel module stays importable without the sui
 from __future__ import annotations
 
 import re
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable
 
 from flashcheck.oracle.rounding import DTYPES, PRECISIONS
+from flashcheck.strategies import feature_table
 
 ALIGNMENTS = ("bottom_right", "top_left")
 DEVICES = ("cpu", "cuda")
@@ -76,6 +78,9 @@ class Implementation:
     scale_arg: bool = True  # False: the function takes no scale= and always uses 1/sqrt(D)
     deterministic: bool = False  # repeated calls on one input are bitwise identical (checked)
 
+    def __post_init__(self):
+        _validate(self)
+
     def __repr__(self):
         return f"<implementation {self.name}>"
 
@@ -139,53 +144,53 @@ def _head_dims(value, name: str):
                         f"or a set of sizes >= 1, got {value!r}")
 
 
-def implementation(*, name: str, causal="bottom_right", dtypes=("float32",), devices=("cpu",),
-                   backward=False, gqa=True, lse=False, framework="torch", blocks=None, tiles=None,
-                   head_dims=(1, 256), equal_head_dims=False, seq_multiple=1, max_seq=None, equal_lengths=False,
-                   masked_rows=True, tags=(), known_issues=(), precision="fused",
-                   causal_only=False, min_seq=1, supports=None, scale_arg=True, deterministic=False,
-                   # the optional features: see Implementation
-                   window=False, softcap=False, alibi=False, sinks=False, dropout=False, dropout_mask=None,
-                   register=True):
-    """Declare an attention function to the suite. See README, "The plug-in contract"."""
+def _validate(i: Implementation) -> None:
+    """Check a declaration and bring it to its canonical form (tuples, sets, bools), in place:
+    a bad one stops with a line naming the field, where the decorator is written."""
+    name = i.name
+
+    def put(field_name, value):
+        object.__setattr__(i, field_name, value)  # the record is frozen once this returns
+
     if not isinstance(name, str) or not name:
         raise ContractError(f"implementation name must be a non-empty string, got {name!r}")
-    if causal is None or causal is False:
-        alignments: tuple[str, ...] = ()
-    else:
-        alignments = _as_tuple(causal, "causal alignment", ALIGNMENTS, name)
-    dtypes = _as_tuple(dtypes, "dtype", DTYPES, name)
-    devices = _as_tuple(devices, "device", DEVICES, name)
-    if framework not in FRAMEWORKS:
-        raise ContractError(f"implementation {name!r}: framework must be one of {FRAMEWORKS}, got {framework!r}")
-    if framework == "numpy" and backward is True:
+    put("causal", () if i.causal is None or i.causal is False
+        else _as_tuple(i.causal, "causal alignment", ALIGNMENTS, name))
+    put("dtypes", _as_tuple(i.dtypes, "dtype", DTYPES, name))
+    put("devices", _as_tuple(i.devices, "device", DEVICES, name))
+    if i.framework not in FRAMEWORKS:
+        raise ContractError(f"implementation {name!r}: framework must be one of {FRAMEWORKS}, got {i.framework!r}")
+    if i.framework == "numpy" and i.backward is True:
         raise ContractError(f"implementation {name!r}: a numpy implementation declares backward as a "
                             "callable bwd(q, k, v, o, lse, do, *, causal, scale) -> (dq, dk, dv)")
-    if framework == "numpy" and devices != ("cpu",):
+    if i.framework == "numpy" and i.devices != ("cpu",):
         raise ContractError(f"implementation {name!r}: numpy implementations run on cpu only")
+    blocks = i.blocks
     sizes_ok = isinstance(blocks, tuple) and blocks and all(isinstance(b, int) and b >= 1 for b in blocks)
     if not (sizes_ok or blocks in (None, "any")):
         raise ContractError(f"implementation {name!r}: blocks must be None, 'any' or a tuple of ints >= 1, "
                             f"got {blocks!r}")
-    if tiles is not None:
-        if not (isinstance(tiles, tuple) and len(tiles) == 2
-                and all(isinstance(t, int) and not isinstance(t, bool) and t >= 1 for t in tiles)):
+    if i.tiles is not None:
+        if not (isinstance(i.tiles, tuple) and len(i.tiles) == 2
+                and all(isinstance(t, int) and not isinstance(t, bool) and t >= 1 for t in i.tiles)):
             raise ContractError(f"implementation {name!r}: tiles must be (block_q, block_k), two ints >= 1, "
-                                f"got {tiles!r}")
+                                f"got {i.tiles!r}")
         if blocks is not None:
             raise ContractError(f"implementation {name!r}: declare blocks= (the kernel takes block_q=/block_k=) "
                                 f"or tiles= (fixed tiles it does not take), not both")
-    head_dims = _head_dims(head_dims, name)
-    if not isinstance(seq_multiple, int) or seq_multiple < 1:
-        raise ContractError(f"implementation {name!r}: seq_multiple must be an int >= 1, got {seq_multiple!r}")
-    if not isinstance(min_seq, int) or isinstance(min_seq, bool) or min_seq < 1 or min_seq > (max_seq or min_seq):
-        raise ContractError(f"implementation {name!r}: min_seq must be an int >= 1 and <= max_seq, got {min_seq!r}")
-    if max_seq is not None and max_seq // seq_multiple * seq_multiple < max(min_seq, seq_multiple):
-        raise ContractError(f"implementation {name!r}: no length is a multiple of seq_multiple={seq_multiple} "
-                            f"between min_seq={min_seq} and max_seq={max_seq}")
-    if causal_only and not alignments:
+    put("head_dims", _head_dims(i.head_dims, name))
+    m, lo, hi = i.seq_multiple, i.min_seq, i.max_seq
+    if not isinstance(m, int) or m < 1:
+        raise ContractError(f"implementation {name!r}: seq_multiple must be an int >= 1, got {m!r}")
+    if not isinstance(lo, int) or isinstance(lo, bool) or lo < 1 or lo > (hi or lo):
+        raise ContractError(f"implementation {name!r}: min_seq must be an int >= 1 and <= max_seq, got {lo!r}")
+    if hi is not None and hi // m * m < max(lo, m):
+        raise ContractError(f"implementation {name!r}: no length is a multiple of seq_multiple={m} "
+                            f"between min_seq={lo} and max_seq={hi}")
+    if i.causal_only and not i.causal:
         raise ContractError(f"implementation {name!r}: causal_only=True needs a causal alignment, got causal=None")
-    for issue in known_issues:
+    put("known_issues", tuple(i.known_issues))
+    for issue in i.known_issues:
         if not isinstance(issue, KnownIssue):
             raise ContractError(f"implementation {name!r}: known_issues holds {issue!r}, not a KnownIssue")
         try:
@@ -193,38 +198,53 @@ def implementation(*, name: str, causal="bottom_right", dtypes=("float32",), dev
         except (re.error, TypeError) as exc:
             raise ContractError(f"implementation {name!r}: known issue {issue.text!r}: failure must be a regex "
                                 f"of the failure message, got {issue.failure!r} ({exc})") from exc
-    if supports is not None and not callable(supports):
+    if i.supports is not None and not callable(i.supports):
         raise ContractError(f"implementation {name!r}: supports must be a callable case -> bool | str, "
-                            f"got {supports!r}")
-
-    if precision not in PRECISIONS:
-        raise ContractError(f"implementation {name!r}: precision must be one of {PRECISIONS}, got {precision!r}")
-    features = dict(window=window, softcap=softcap, alibi=alibi, sinks=sinks, dropout=dropout)
-    for feature, flag in features.items():
-        if not isinstance(flag, bool):
-            raise ContractError(f"implementation {name!r}: {feature} must be True or False, got {flag!r}")
-    if dropout_mask is not None and not (dropout and callable(dropout_mask)):
+                            f"got {i.supports!r}")
+    if i.precision not in PRECISIONS:
+        raise ContractError(f"implementation {name!r}: precision must be one of {PRECISIONS}, got {i.precision!r}")
+    for feature in feature_table.NAMES:
+        if not isinstance(getattr(i, feature), bool):
+            raise ContractError(f"implementation {name!r}: {feature} must be True or False, "
+                                f"got {getattr(i, feature)!r}")
+    if i.dropout_mask is not None and not (i.dropout and callable(i.dropout_mask)):
         raise ContractError(f"implementation {name!r}: dropout_mask must be a callable (q, k, v, p, seed) -> "
                             "bool mask, declared together with dropout=True")
+    put("tags", tuple(i.tags))
+    for flag in ("causal_only", "scale_arg", "deterministic"):
+        put(flag, bool(getattr(i, flag)))
+
+
+DECLARABLE = tuple(f for f in Implementation.__dataclass_fields__ if f != "fn")
+
+
+def _unset(*args, **kwargs):
+    raise ContractError("an implementation record used before its function was decorated")
+
+
+def implementation(*, register: bool = True, **declared):
+    """Declare an attention function to the suite. See README, "The plug-in contract".
+
+    The keywords are Implementation's fields, whose defaults are written there alone; the
+    declaration is checked here, where the decorator is written, before the function exists."""
+    unknown = sorted(set(declared) - set(DECLARABLE))
+    if unknown:
+        raise ContractError(f"implementation {declared.get('name')!r}: unknown declaration "
+                            f"{', '.join(unknown)}; expected some of {', '.join(DECLARABLE)}")
+    if "name" not in declared:
+        raise ContractError("implementation needs a name: @implementation(name=..., ...)")
+    record = Implementation(fn=_unset, **declared)
 
     def decorate(fn: Callable) -> Callable:
         if not callable(fn):
-            raise ContractError(f"implementation {name!r}: decorated object is not callable")
-        record = Implementation(name=name, fn=fn, causal=alignments, dtypes=dtypes, devices=devices,
-                                backward=backward, gqa=gqa, lse=lse, framework=framework, blocks=blocks,
-                                tiles=tiles, head_dims=head_dims, equal_head_dims=equal_head_dims,
-                                seq_multiple=seq_multiple, max_seq=max_seq,
-                                equal_lengths=equal_lengths, masked_rows=masked_rows, tags=tuple(tags),
-                                known_issues=tuple(known_issues), precision=precision,
-                                causal_only=bool(causal_only), min_seq=min_seq, supports=supports,
-                                scale_arg=bool(scale_arg), deterministic=bool(deterministic),
-                                dropout_mask=dropout_mask, **features)
+            raise ContractError(f"implementation {record.name!r}: decorated object is not callable")
+        bound = dataclasses.replace(record, fn=fn)
         from flashcheck.contract.capabilities import check_witnesses
 
-        check_witnesses(record)  # needs the whole record: supports() and applies() judge the witness
-        fn.__flashcheck__ = record
+        check_witnesses(bound)  # needs the whole record: supports() and applies() judge the witness
+        fn.__flashcheck__ = bound
         if register:
-            REGISTRY[name] = record
+            REGISTRY[bound.name] = bound
         return fn
 
     return decorate

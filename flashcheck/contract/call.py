@@ -8,6 +8,7 @@ import numpy as np
 
 from flashcheck.contract import Implementation
 from flashcheck.oracle.rounding import RESULTS
+from flashcheck.strategies import feature_table
 
 
 @dataclass
@@ -49,16 +50,9 @@ def kwargs_for(impl: Implementation, case, tensor=np.asarray) -> dict:
         raise ValueError(f"{impl.name} declares scale_arg=False, so it cannot run scale={case.scale!r}")
     if impl.blocks is not None:
         kw.update(block_q=case.block_q, block_k=case.block_k)
-    if impl.window:
-        kw["window"] = (-1, -1) if case.window is None else tuple(case.window)
-    if impl.softcap:
-        kw["softcap"] = float(case.softcap)
-    if impl.alibi:
-        kw["alibi_slopes"] = None if case.alibi is None else tensor(case.alibi_slopes())
-    if impl.sinks:
-        kw["sinks"] = None if case.sinks is None else tensor(case.sink_logits())
-    if impl.dropout:
-        kw.update(dropout_p=float(case.dropout_p), dropout_seed=int(case.dropout_seed))
+    for feature in feature_table.FEATURES:
+        if getattr(impl, feature.name):
+            kw.update(feature.call(case, tensor))
     return kw
 
 

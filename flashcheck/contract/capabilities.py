@@ -7,6 +7,7 @@ for a kernel author reading a skip line: what was declared, and what the propert
 from __future__ import annotations
 
 from flashcheck.contract import Implementation
+from flashcheck.strategies import feature_table
 
 
 def _lengths_can_differ(i: Implementation) -> bool:
@@ -63,9 +64,9 @@ CAPABILITIES = {
     "float64": lambda i: None if "float64" in i.dtypes else f"{i.name} does not declare float64",
     # the feature matrix (docs/features.md)
     **{f: (lambda f: lambda i: None if getattr(i, f) else f"{i.name} does not declare {f}=True")(f)
-       for f in ("window", "softcap", "alibi", "sinks", "dropout")},
-    "features": lambda i: None if (i.window or i.softcap or i.alibi or i.sinks)
-    else f"{i.name} declares none of window, softcap, alibi, sinks",
+       for f in feature_table.NAMES},
+    "features": lambda i: None if any(getattr(i, f) for f in feature_table.DETERMINISTIC)
+    else f"{i.name} declares none of {', '.join(feature_table.DETERMINISTIC)}",
     "dropout_mask": lambda i: None if i.dropout_mask is not None else f"{i.name} does not declare dropout_mask",
 }
 

@@ -71,9 +71,11 @@ def offset(sq: int, sk: int, align: str | None) -> int:
     return sk - sq if align == "bottom_right" else 0
 
 
-def check_features(q, *, who: str, window=None, softcap=0.0, alibi_slopes=None, sinks=None, dropout_p=0.0):
+def check_features(q, *, who: str, window=None, softcap=0.0, alibi_slopes=None, sinks=None, dropout_p=0.0,
+                   tables=("float32",)):
     """Validate the feature arguments (docs/features.md) against q (B, Hq, Sq, D); a numpy array or a
-    torch tensor alike. Returns the window as a tuple, or None when it is off."""
+    torch tensor alike. Returns the window as a tuple, or None when it is off. ``tables``: the dtypes
+    the slopes and sinks may have (kernels get float32; the float64 truth takes float64 too)."""
     b, hq = q.shape[0], q.shape[1]
     if window is not None:
         ok = len(window) == 2 and all(isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window)
@@ -88,8 +90,8 @@ def check_features(q, *, who: str, window=None, softcap=0.0, alibi_slopes=None, 
         if tuple(getattr(x, "shape", ())) not in shapes:
             raise ValueError(f"{who}: {label} must have shape {' or '.join(map(str, shapes))}, "
                              f"got {tuple(getattr(x, 'shape', ())) or type(x).__name__}")
-        if dtype_name(x) != "float32":
-            raise TypeError(f"{who}: {label} must be float32, got {dtype_name(x)}")
+        if dtype_name(x) not in tables:
+            raise TypeError(f"{who}: {label} must be {' or '.join(tables)}, got {dtype_name(x)}")
         if getattr(x, "device", None) != getattr(q, "device", None):
             raise ValueError(f"{who}: {label} is on {x.device}, q on {q.device}")
     if not (isinstance(dropout_p, (int, float)) and 0 <= dropout_p < 1):

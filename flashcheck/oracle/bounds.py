@@ -4,8 +4,14 @@
 returns, for O, LSE, dQ, dK and dV, how far a correct kernel of the declared precision may land
 from the truth through rounding. Every place where correct kernels round (flashcheck/oracle/rounding.py's
 catalogue) has its term here; the comments name the site.
+
+Two records are shared: ``Scores``, the error of every score and of P (which every result reads),
+and ``DScores``, the error of dS (which dQ and dK read). Each result then has one small function
+with its own terms: ``_o``, ``_lse``, ``_dv``, ``_dq``, ``_dk``.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -63,55 +69,106 @@ def _trunc_mean(a_times_b, abs_a_times_abs_b, u_tr):
     return u_tr * 2 * (TRUNC_MEAN * np.abs(a_times_b) + TRUNC_SPREAD * abs_a_times_abs_b)
 
 
-def rounding_bounds(case, pt, dscores, half_spacing) -> dict:
-    """The rounding terms of the rule, per entry, for every result (shapes as the results')."""
-    pr = Precision.of(case.dtype, case.precision)
-    u_acc = UNIT[pr.acc]
-    u_p = UNIT[pr.p_fmt] if pr.p_fmt != pr.acc else 0.0
-    u_in = UNIT[pr.operand_fmt] if pr.operand_fmt != pr.acc else 0.0
-    u_tr = UNIT["tf32"] if pr.truncate else 0.0  # a truncated TF32 operand errs by up to a whole ulp
-    u_t = UNIT[pr.out_fmt] if pr.out_fmt in HALF else 0.0
-    u_dp = u_t if pr.p_normalized else 0.0  # "dense": dP rounded to t
-    u_pre = (u_t or u_acc) if pr.prescaled else 0.0  # "prescaled": q*scale or k*scale*log2 e rounded to t
-    # P and dS lose their subnormals absolutely: fp16 keeps them at a spacing of 2^-24; float32
-    # arithmetic on a GPU flushes values below 2^-126 to zero.
-    sub = 2.0 ** -25 if pr.p_fmt == "float16" else FTZ[pr.acc]
+@dataclass(frozen=True)
+class Units:
+    """The unit roundoffs of the places a kernel of the declared precision rounds (0: it does not)."""
+
+    acc: float  # the accumulator's (float32, or float64)
+    p: float  # P rounded to its format for the P.V product
+    inp: float  # operands rounded for the dot products (TF32)
+    tr: float  # a truncated TF32 operand errs by up to a whole ulp
+    t: float  # the output type's, for half types
+    dp: float  # "dense": dP rounded to t
+    pre: float  # "prescaled": q*scale or k*scale*log2 e rounded to t
+    sub: float  # P and dS lose their subnormals absolutely
+
+    @classmethod
+    def of(cls, pr: Precision) -> "Units":
+        u_acc, u_t = UNIT[pr.acc], UNIT[pr.out_fmt] if pr.out_fmt in HALF else 0.0
+        # fp16 keeps subnormals at a spacing of 2^-24; float32 arithmetic on a GPU flushes values
+        # below 2^-126 to zero.
+        return cls(acc=u_acc, p=UNIT[pr.p_fmt] if pr.p_fmt != pr.acc else 0.0,
+                   inp=UNIT[pr.operand_fmt] if pr.operand_fmt != pr.acc else 0.0,
+                   tr=UNIT["tf32"] if pr.truncate else 0.0, t=u_t, dp=u_t if pr.p_normalized else 0.0,
+                   pre=(u_t or u_acc) if pr.prescaled else 0.0,
+                   sub=2.0 ** -25 if pr.p_fmt == "float16" else FTZ[pr.acc])
+
+    def sum_of(self, n):
+        """The float32 accumulation of n terms, relative to the sum of their magnitudes."""
+        return self.acc * (2 + np.sqrt(n))
+
+
+@dataclass(frozen=True)
+class Scores:
+    """The inputs, and the error of every score and every P_ij, which all results read."""
+
+    vis: np.ndarray
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    do: np.ndarray
+    p: np.ndarray
+    o: np.ndarray
+    scale: float
+    sc: float  # |scale|
+    aq: np.ndarray  # |q|, |k|, |v|, |dO|, |O|
+    ak: np.ndarray
+    av: np.ndarray
+    ado: np.ndarray
+    ao: np.ndarray
+    abs_s: np.ndarray  # |q| . |k| scale: the size of each score's dot product
+    worst: np.ndarray  # a score's error, relative in P: worst case
+    var: np.ndarray  # and its variance
+    pre: np.ndarray  # the coherent share of pre-scaled or truncated operands
+    rho: np.ndarray  # bound on P_ij's relative error
+    rho_var: np.ndarray
+    w: np.ndarray  # bound on the error of p_ij
+    w2_p: np.ndarray  # the variance of P's own rounding
+    w2_rest: np.ndarray  # the rest of its variance (the scores' errors, subnormals)
+    n_row: np.ndarray  # ties along a row / a key's column ("dense": equal P round alike)
+    n_col: np.ndarray
+    big_row: np.ndarray  # the largest group of equal P in a row
+    wp: np.ndarray | float  # the shared operand errors' share of w (0.0 when none)
+    sub: np.ndarray | float  # subnormal spacing on the visible entries
+    lse: np.ndarray  # the LSE (finite rows; 0 elsewhere), keepdims
+
+
+def _scores(case, pt, pr: Precision, u: Units) -> Scores:
     vis = case.visible()
-    q, k, v, do, p, o, sc = pt.q, pt.k, pt.v, pt.do, pt.p, pt.o, abs(pt.scale)
-    aq, ak, av, ado, ao = (np.abs(x) for x in (q, k, v, do, o))
-    d, dv, sk, rows = q.shape[-1], v.shape[-1], case.sk, case.sq * q.shape[2]
+    q, k, p, sc = pt.q, pt.k, pt.p, abs(pt.scale)
+    aq, ak = np.abs(q), np.abs(k)
+    d, sk = q.shape[-1], case.sk
     lse = np.where(np.isfinite(pt.lse), pt.lse, 0.0)[..., None]
-    abs_s = sc * (aq @ _swap(ak))  # |q| . |k|: the size of each score's dot product
+    abs_s = sc * (aq @ _swap(ak))
     sq_s = sc * sc * ((q * q) @ _swap(k * k))  # sum_d (q_d k_d)^2
     m = np.where(vis, pt.s, -np.inf).max(axis=-1, keepdims=True, initial=-np.inf)
     m = np.where(np.isfinite(m), m, 0.0)
-    acc = lambda n: u_acc * (2 + np.sqrt(n))  # noqa: E731  (float32 accumulation of n terms)
     # A score's error, relative in P: its dot product (D roundings, each at most u |partial sum|: in
     # variance about u^2/3 (D/2 sum_d (q_d k_d)^2 + D/3 s^2), whether the terms' signs are random or
     # alike), the scale and log2(e) products, the max or LSE subtracted before exp, exp itself, and
     # for TF32 the rounding of q and k.
-    local = u_acc * (4 + 2 * np.abs(pt.s - m))
-    score_worst = np.where(vis, u_in * 2 * abs_s + u_acc * d * abs_s + local, 0.0)
-    score_var = np.where(vis, u_acc ** 2 / 3 * (d / 2 * sq_s + d / 3 * pt.s ** 2)
-                         + VAR * (local ** 2 + (u_in * 2 * abs_s) ** 2), 0.0)
+    local = u.acc * (4 + 2 * np.abs(pt.s - m))
+    worst = np.where(vis, u.inp * 2 * abs_s + u.acc * d * abs_s + local, 0.0)
+    var = np.where(vis, u.acc ** 2 / 3 * (d / 2 * sq_s + d / 3 * pt.s ** 2)
+                   + VAR * (local ** 2 + (u.inp * 2 * abs_s) ** 2), 0.0)
     # A pre-scaled operand's rounding is shared by a whole row (q_i) or key (k_j): it moves every
     # score it touches by up to u_t |q_i| . |k_j| scale, coherently, so it counts only worst-case.
     # So does truncation to TF32, which shrinks every product of a dot product alike.
-    pre = np.where(vis, (u_pre + 2 * u_tr) * abs_s, 0.0)
+    pre = np.where(vis, (u.pre + 2 * u.tr) * abs_s, 0.0)
     # The LSE's own error shifts every P of its row in the backward (P = exp(s - LSE)).
-    lse_own = acc(sk) + 2 * u_acc * np.abs(lse)
-    lse_worst = (p * (score_worst + pre)).sum(-1, keepdims=True) + lse_own
-    lse_var = (p * p * score_var).sum(-1, keepdims=True) + VAR * lse_own ** 2
+    lse_own = u.sum_of(sk) + 2 * u.acc * np.abs(lse)
+    lse_worst = (p * (worst + pre)).sum(-1, keepdims=True) + lse_own
+    lse_var = (p * p * var).sum(-1, keepdims=True) + VAR * lse_own ** 2
     # Bound on P_ij's relative error, and its variance: P and V rounded (a truncated TF32 operand
     # errs by up to an ulp), the score, the LSE. P computed from exp(s - m) or already normalized
     # rounds the same relative amount.
     # An error x in the exponent moves P by expm1(x) relative: past x ~ 0.1 no longer x (large
     # logits in bfloat16 with pre-scaled operands reach x > 1).
-    x = score_worst + pre + lse_worst
-    rho = np.where(vis, u_p + u_in + 2 * u_tr + np.where(x > 1e-2, np.expm1(x), x), 0.0)
-    rho_var = np.where(vis, VAR * (u_p ** 2 + u_in ** 2) + score_var + lse_var, 0.0)
-    sub = np.where(vis, sub, 0.0)
-    w = p * rho + sub  # bound on the error of p_ij
+    x = worst + pre + lse_worst
+    rho = np.where(vis, u.p + u.inp + 2 * u.tr + np.where(x > 1e-2, np.expm1(x), x), 0.0)
+    rho_var = np.where(vis, VAR * (u.p ** 2 + u.inp ** 2) + var + lse_var, 0.0)
+    sub = np.where(vis, u.sub, 0.0)
+    w = p * rho + sub
     w2 = p * p * rho_var + sub * sub / 3  # its variance (subnormals: a fixed spacing, so uniform)
     # "dense": P normalized before it is rounded. Equal probabilities (equal keys, scale 0) then carry
     # one rounding error: along a row for O, along a key's column (every row of every head of the
@@ -128,98 +185,164 @@ def rounding_bounds(case, pt, dscores, half_spacing) -> dict:
         big_row = np.zeros(p.shape, bool)
     # Only the rounding of P's value is a function of the value; the scores' errors depend on the
     # order of each dot product's sum and stay independent.
-    w2_p = p * p * VAR * u_p ** 2
-    w2_rest = w2 - w2_p
-    sd_row = np.sqrt(w2_p) * big_row  # the largest group's shared error
+    w2_p = p * p * VAR * u.p ** 2
     shared = bool(pre.any())  # pre-scaled or truncated operands: their coherent terms (else all zero)
-    wp = p * np.expm1(pre + (p * pre).sum(-1, keepdims=True)) if shared else 0.0  # their share of w
-    out = {}
-    # O: sum_j p_ij (1 + e_ij) v_j normalized by the exact sum (error sum_j p_ij e_ij v_j), or by
-    # the sum of the rounded terms (error sum_j p_ij e_ij (v_j - O_i)); a kernel may do either.
-    o_worst = w @ av + ao * w.sum(-1, keepdims=True)
-    w2r = w2_rest + w2_p * np.where(big_row, 1, n_row)
-    o_var = np.maximum(w2r @ (v * v), w2r @ (v * v) - 2 * o * (w2r @ v) + o * o * w2r.sum(-1, keepdims=True))
-    if big_row.any():
+    wp = p * np.expm1(pre + (p * pre).sum(-1, keepdims=True)) if shared else 0.0
+    return Scores(vis=vis, q=q, k=k, v=pt.v, do=pt.do, p=p, o=pt.o, scale=pt.scale, sc=sc, aq=aq, ak=ak,
+                  av=np.abs(pt.v), ado=np.abs(pt.do), ao=np.abs(pt.o), abs_s=abs_s, worst=worst, var=var,
+                  pre=pre, rho=rho, rho_var=rho_var, w=w, w2_p=w2_p, w2_rest=w2 - w2_p, n_row=n_row, n_col=n_col,
+                  big_row=big_row, wp=wp, sub=sub, lse=lse)
+
+
+def _o_terms(s: Scores, u: Units):
+    """O's (worst, variance, coherent) terms; D = rowsum(dO * O) reads them too.
+
+    O is sum_j p_ij (1 + e_ij) v_j normalized by the exact sum (error sum_j p_ij e_ij v_j), or by
+    the sum of the rounded terms (error sum_j p_ij e_ij (v_j - O_i)); a kernel may do either."""
+    p, v, o, av, ao, sk = s.p, s.v, s.o, s.av, s.ao, s.p.shape[-1]
+    worst = s.w @ av + ao * s.w.sum(-1, keepdims=True)
+    w2r = s.w2_rest + s.w2_p * np.where(s.big_row, 1, s.n_row)
+    var = np.maximum(w2r @ (v * v), w2r @ (v * v) - 2 * o * (w2r @ v) + o * o * w2r.sum(-1, keepdims=True))
+    if s.big_row.any():
+        sd_row = np.sqrt(s.w2_p) * s.big_row  # the largest group's shared error
         sdv = sd_row @ v
-        o_var = np.maximum(w2r @ (v * v) + sdv ** 2, o_var + (sdv - o * sd_row.sum(-1, keepdims=True)) ** 2)
-    o_coh = acc(sk) * (p @ av + ao)
-    if shared:
-        o_coh = o_coh + wp @ av + ao * wp.sum(-1, keepdims=True)
-    if u_tr:
-        o_coh = o_coh + _trunc_mean(o, p @ av, u_tr)
-    out["o"] = _bound(o_worst, o_var, o_coh)
-    # LSE = m + log(sum_j exp(s_j - m)) from float32 P: only the scores' errors and the sums.
-    # Equal scores (identical keys) carry equal errors: the LSE's are taken as fully aligned.
-    out["lse"] = _bound((p * score_worst).sum(-1), (p * np.sqrt(score_var)).sum(-1) ** 2,
-                        acc(sk) + u_acc * np.abs(lse[..., 0]) + (p * pre).sum(-1))
-    # dV_j = sum_i P_ij dO_i over the rows of every head of the group.
-    pdo = _swap(p) @ ado
-    dv_coh = acc(rows) * pdo.sum(2) + ((_swap(wp) @ ado).sum(2) if shared else 0.0)
-    if u_tr:
-        dv_coh = dv_coh + _trunc_mean((_swap(p) @ do).sum(2), pdo.sum(2), u_tr)
-    out["dv"] = _bound((_swap(w) @ ado).sum(2), (_swap(w2_rest + w2_p * n_col) @ (ado * ado)).sum(2), dv_coh)
+        var = np.maximum(w2r @ (v * v) + sdv ** 2, var + (sdv - o * sd_row.sum(-1, keepdims=True)) ** 2)
+    coh = u.sum_of(sk) * (p @ av + ao)
+    if s.pre.any():
+        coh = coh + s.wp @ av + ao * s.wp.sum(-1, keepdims=True)
+    if u.tr:
+        coh = coh + _trunc_mean(o, p @ av, u.tr)
+    return worst, var, coh
+
+
+def _lse(s: Scores, u: Units):
+    """LSE = m + log(sum_j exp(s_j - m)) from float32 P: only the scores' errors and the sums.
+    Equal scores (identical keys) carry equal errors: the LSE's are taken as fully aligned."""
+    p = s.p
+    return _bound((p * s.worst).sum(-1), (p * np.sqrt(s.var)).sum(-1) ** 2,
+                  u.sum_of(p.shape[-1]) + u.acc * np.abs(s.lse[..., 0]) + (p * s.pre).sum(-1))
+
+
+def _dv(s: Scores, u: Units):
+    """dV_j = sum_i P_ij dO_i over the rows of every head of the group."""
+    p, rows = s.p, s.p.shape[-2] * s.p.shape[2]
+    pdo = _swap(p) @ s.ado
+    coh = u.sum_of(rows) * pdo.sum(2) + ((_swap(s.wp) @ s.ado).sum(2) if s.pre.any() else 0.0)
+    if u.tr:
+        coh = coh + _trunc_mean((_swap(p) @ s.do).sum(2), pdo.sum(2), u.tr)
+    dv = _bound((_swap(s.w) @ s.ado).sum(2), (_swap(s.w2_rest + s.w2_p * s.n_col) @ (s.ado * s.ado)).sum(2), coh)
+    if s.q.shape[2] > 1:  # GQA: FlashAttention-2 rounds each query head's dV to t, then sums the group
+        dv = dv + u.p * np.abs(_swap(p) @ s.do).sum(2)
+    return dv
+
+
+@dataclass(frozen=True)
+class DScores:
+    """The error of dS = P (dP - D), which dQ and dK read."""
+
+    ds: np.ndarray
+    a_ds: np.ndarray
+    eta: np.ndarray  # bound on dS_ij's error
+    eta2: np.ndarray  # its variance
+    d_worst: np.ndarray  # D's error (per row), worst case and variance
+    d_var: np.ndarray
+    e_row: np.ndarray  # D computed as rowsum(P * dP): that sum's error
+    p_hi: np.ndarray  # the kernel's P is at most p (1 + rho)
+    pk: np.ndarray  # |P K|: D's error enters dQ_i as dD_i (P K)_i
+    prk: np.ndarray  # (p rho) |K|: how far the kernel's P K is from P K
+    sub_sc: np.ndarray | float  # subnormals of dS or q already multiplied by the scale
+    ds_pre: np.ndarray | float  # dS's share of the shared operand errors (0.0 when none)
+    d_pre: np.ndarray | float  # O's coherent error, reaching D coherently
+
+
+def _dscores(case, s: Scores, u: Units, dscores, o_terms, half_spacing, out_fmt) -> DScores:
     # dS = P (dP - D): P's error, dP's float32 dot product (and its rounding to t, "dense"), dS
     # rounded to t (before or after the scale: independent per entry), and D's error, shared by
     # every key of a row: D = rowsum(dO * O) reads O rounded to t.
     dp, dp_minus_d, ds = dscores
+    p, ado, ao, sk, dv = s.p, s.ado, s.ao, case.sk, s.v.shape[-1]
+    o_worst, o_var, _ = o_terms
     a_ds = np.abs(ds)
-    o_round = half_spacing(o, pr.out_fmt)
+    o_round = half_spacing(s.o, out_fmt)
     # A kernel may also compute D as rowsum(P * dP) (autograd's softmax backward): its error is then
     # that sum's, u sum_j P_ij |dP_ij|. Autograd through an online softmax also leaves the running
     # max a gradient that is zero only up to that much, and hands it to one key (the argmax).
-    e_row = (acc(sk) + u_dp) * (p * np.abs(dp)).sum(-1, keepdims=True)
-    d_worst = ((ado * (o_worst + o_round)).sum(-1, keepdims=True) + acc(dv) * (ado * ao).sum(-1, keepdims=True)
-               + e_row)
-    at_max = e_row * np.where(vis, 1.0, 0.0)  # the max's residue, on whichever visible key is the argmax
+    e_row = (u.sum_of(sk) + u.dp) * (p * np.abs(dp)).sum(-1, keepdims=True)
+    d_worst = ((ado * (o_worst + o_round)).sum(-1, keepdims=True)
+               + u.sum_of(dv) * (ado * ao).sum(-1, keepdims=True) + e_row)
     d_var = (ado * ado * (o_var + o_round * o_round * VAR)).sum(-1, keepdims=True)
-    dp_mag = ado @ _swap(av)
-    # The kernel's P is at most p (1 + rho): where rho is large (pre-scaled operands at large logits)
-    # the errors that P multiplies grow with it.
-    p_hi = p * (1 + np.where(rho > 1e-2, rho, 0.0))  # (below 1%: second order, left out as before)
-    dp_err = p_hi * (acc(dv) * dp_mag + u_dp * np.abs(dp))
-    if u_tr:
-        dp_err = dp_err + p_hi * _trunc_mean(dp, dp_mag, u_tr)
-    sub_ds = sub * (1 + np.abs(dp_minus_d))  # P's and dS's own subnormals
+    dp_mag = ado @ _swap(s.av)
+    # Where rho is large (pre-scaled operands at large logits) the errors that P multiplies grow with it.
+    p_hi = p * (1 + np.where(s.rho > 1e-2, s.rho, 0.0))  # (below 1%: second order, left out as before)
+    dp_err = p_hi * (u.sum_of(dv) * dp_mag + u.dp * np.abs(dp))
+    if u.tr:
+        dp_err = dp_err + p_hi * _trunc_mean(dp, dp_mag, u.tr)
+    sub_ds = s.sub * (1 + np.abs(dp_minus_d))  # P's and dS's own subnormals
     # A softcap multiplies dS by 1 - tanh^2(s / c): the raw logit's error, divided by c, moves it
     # by up to twice that relative to itself (a small c magnifies float rounding a thousandfold).
     if case.softcap:
-        raw = (2 * u_in + (d + 2) * u_acc) * abs_s
-        g = 1 - np.tanh(pt.scale * (q @ _swap(k)) / case.softcap) ** 2  # dS's factor; its error scales with it
-        rel_g = np.where(vis, 2 * g * raw / case.softcap + 4 * u_acc, 0.0)
+        raw = (2 * u.inp + (s.q.shape[-1] + 2) * u.acc) * s.abs_s
+        g = 1 - np.tanh(s.scale * (s.q @ _swap(s.k)) / case.softcap) ** 2  # dS's factor; its error scales with it
+        rel_g = np.where(s.vis, 2 * g * raw / case.softcap + 4 * u.acc, 0.0)
     else:
         rel_g = 0.0
-    eta = a_ds * rho + p_hi * np.abs(dp_minus_d) * (u_p + u_tr + rel_g) + dp_err + sub_ds
-    eta2 = ds * ds * (VAR * (u_p ** 2 + rel_g * rel_g)) + VAR * dp_err ** 2 + sub_ds * sub_ds / 3
-    eta2 = eta2 + ds * ds * rho_var  # the backward's P is float32: no rounding of P's value here
-    pk = np.abs(p @ k)  # D's error enters dQ_i as dD_i (P K)_i: cancellation in P K counts
+    eta = a_ds * s.rho + p_hi * np.abs(dp_minus_d) * (u.p + u.tr + rel_g) + dp_err + sub_ds
+    eta2 = ds * ds * (VAR * (u.p ** 2 + rel_g * rel_g)) + VAR * dp_err ** 2 + sub_ds * sub_ds / 3
+    eta2 = eta2 + ds * ds * s.rho_var  # the backward's P is float32: no rounding of P's value here
     # A kernel may round dS, or q, already multiplied by the scale: their subnormals then cost
     # 2^-25 of the gradient itself, not of dS or q (cuDNN, FlashAttention-2 and FlexAttention on
     # an H200 at scale 1e-6, whose gradients are fp16 subnormals).
-    sub_sc = sub / sc if sc > 0 else sub
+    sub_sc = s.sub / s.sc if s.sc > 0 else s.sub
+    if s.pre.any():
+        # dS's share of the shared operand errors; and O's coherent error reaches D coherently.
+        ds_pre = a_ds * np.expm1(s.pre + (p * s.pre).sum(-1, keepdims=True)) + u.pre * p_hi * np.abs(dp_minus_d)
+        d_pre = (ado * (s.wp @ s.av + ao * s.wp.sum(-1, keepdims=True))).sum(-1, keepdims=True)
+    else:
+        ds_pre = d_pre = 0.0
+    return DScores(ds=ds, a_ds=a_ds, eta=eta, eta2=eta2, d_worst=d_worst, d_var=d_var, e_row=e_row,
+                   p_hi=p_hi, pk=np.abs(p @ s.k), prk=(p * s.rho) @ s.ak, sub_sc=sub_sc, ds_pre=ds_pre,
+                   d_pre=d_pre)
+
+
+def _dq(s: Scores, g: DScores, u: Units):
+    """dQ_i = scale sum_j dS_ij k_j, and D's error through the kernel's P K."""
+    ak, sk = s.ak, s.p.shape[-1]
+    coh = u.sum_of(sk) * (g.a_ds @ ak) + g.e_row * ak.max(-2, keepdims=True, initial=0) + g.d_worst * g.prk
+    if s.pre.any():  # the pre-scaled operand is also a factor of dQ (K'): its rounding counts once more
+        coh = coh + g.ds_pre @ ak + g.d_pre * (g.pk + g.prk)
+    if u.tr:
+        coh = coh + _trunc_mean(g.ds @ s.k, g.a_ds @ ak, u.tr)
+    return s.sc * _bound(g.eta @ ak + g.d_worst * g.pk + g.sub_sc @ ak,
+                         g.eta2 @ (ak * ak) + g.d_var * g.pk * g.pk + g.sub_sc * g.sub_sc / 3 @ (ak * ak), coh)
+
+
+def _dk(s: Scores, g: DScores, u: Units):
+    """dK_j = scale sum_i dS_ij q_i over the rows of every head of the group."""
+    aq, rows = s.aq, s.p.shape[-2] * s.p.shape[2]
+    at_max = g.e_row * np.where(s.vis, 1.0, 0.0)  # the max's residue, on whichever visible key is the argmax
+    coh = u.sum_of(rows) * (_swap(g.a_ds) @ aq).sum(2) + (_swap(at_max) @ aq).sum(2)
+    if s.pre.any():  # the pre-scaled operand is also a factor of dK (Q'): its rounding counts once more
+        coh = coh + (_swap(g.ds_pre + g.p_hi * g.d_pre) @ aq).sum(2)
+    if u.tr:
+        coh = coh + _trunc_mean((_swap(g.ds) @ s.q).sum(2), (_swap(g.a_ds) @ aq).sum(2), u.tr)
     ones = np.ones_like(aq)
-    q_sub = (_swap(a_ds * sub_sc) @ ones).sum(2), (_swap(ds * ds * sub_sc * sub_sc / 3) @ ones).sum(2)
-    # D's error enters dQ through the kernel's P K, which differs from P K by up to (p rho) |K|.
-    prk = (p * rho) @ ak
-    dq_coh = acc(sk) * (a_ds @ ak) + e_row * ak.max(-2, keepdims=True, initial=0) + d_worst * prk
-    dk_coh = acc(rows) * (_swap(a_ds) @ aq).sum(2) + (_swap(at_max) @ aq).sum(2)
-    if shared:
-        # dS's share of the shared operand errors; the pre-scaled operand is also a factor of dQ (K')
-        # or dK (Q'), so its rounding counts once more; and O's coherent error reaches D coherently.
-        ds_pre = a_ds * np.expm1(pre + (p * pre).sum(-1, keepdims=True)) + u_pre * p_hi * np.abs(dp_minus_d)
-        d_pre = (ado * (wp @ av + ao * wp.sum(-1, keepdims=True))).sum(-1, keepdims=True)
-        dq_coh = dq_coh + ds_pre @ ak + d_pre * (pk + prk)
-        dk_coh = dk_coh + (_swap(ds_pre + p_hi * d_pre) @ aq).sum(2)
-    if u_tr:
-        dq_coh = dq_coh + _trunc_mean(ds @ k, a_ds @ ak, u_tr)
-        dk_coh = dk_coh + _trunc_mean((_swap(ds) @ q).sum(2), (_swap(a_ds) @ aq).sum(2), u_tr)
-    out["dq"] = sc * _bound(eta @ ak + d_worst * pk + sub_sc @ ak,
-                            eta2 @ (ak * ak) + d_var * pk * pk + sub_sc * sub_sc / 3 @ (ak * ak), dq_coh)
-    pd, pd2 = p_hi * d_worst, p * p * d_var
-    out["dk"] = sc * _bound((_swap(eta + pd + sub_sc) @ aq).sum(2) + q_sub[0],
-                            (_swap(eta2 + pd2 + sub_sc * sub_sc / 3) @ (aq * aq)).sum(2) + q_sub[1], dk_coh)
-    if q.shape[2] > 1:  # GQA: FlashAttention-2 rounds each query head's dK and dV to t, then sums the group
-        out["dk"] = out["dk"] + u_p * sc * np.abs(_swap(ds) @ q).sum(2)
-        out["dv"] = out["dv"] + u_p * np.abs(_swap(p) @ do).sum(2)
+    q_sub = (_swap(g.a_ds * g.sub_sc) @ ones).sum(2), (_swap(g.ds * g.ds * g.sub_sc * g.sub_sc / 3) @ ones).sum(2)
+    pd, pd2 = g.p_hi * g.d_worst, s.p * s.p * g.d_var
+    dk = s.sc * _bound((_swap(g.eta + pd + g.sub_sc) @ aq).sum(2) + q_sub[0],
+                       (_swap(g.eta2 + pd2 + g.sub_sc * g.sub_sc / 3) @ (aq * aq)).sum(2) + q_sub[1], coh)
+    if s.q.shape[2] > 1:  # GQA: FlashAttention-2 rounds each query head's dK to t, then sums the group
+        dk = dk + u.p * s.sc * np.abs(_swap(g.ds) @ s.q).sum(2)
+    return dk
+
+
+def rounding_bounds(case, pt, dscores, half_spacing) -> dict:
+    """The rounding terms of the rule, per entry, for every result (shapes as the results')."""
+    pr = Precision.of(case.dtype, case.precision)
+    u = Units.of(pr)
+    s = _scores(case, pt, pr, u)
+    o_terms = _o_terms(s, u)
+    g = _dscores(case, s, u, dscores, o_terms, half_spacing, pr.out_fmt)
+    out = {"o": _bound(*o_terms), "lse": _lse(s, u), "dv": _dv(s, u), "dq": _dq(s, g, u), "dk": _dk(s, g, u)}
     shape = {"o": (case.batch, case.hq, case.sq, case.dv), "lse": (case.batch, case.hq, case.sq),
              "dq": (case.batch, case.hq, case.sq, case.d)}
     return {n: b.reshape(shape[n]) + FTZ[pr.acc] if n in shape else b + FTZ[pr.acc] for n, b in out.items()}

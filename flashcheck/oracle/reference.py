@@ -10,30 +10,10 @@ import math
 
 import numpy as np
 
-from flashcheck.contract.checks import alignment, check_inputs, offset
+from flashcheck.contract.checks import alignment, check_features, check_inputs
+from flashcheck.strategies.case import visible
 
 DTYPES = ("float32", "float64")
-
-
-def visible(sq: int, sk: int, align: str | None, rows=None, cols=None, window=None) -> np.ndarray:
-    """Boolean (rows x cols) mask of which keys each query sees: the causal mask AND the window.
-
-    The window is bottom-right aligned like FlashAttention's: query i sees key j iff
-    i + Sk - Sq - left <= j <= i + Sk - Sq + right, a side of -1 being unbounded.
-    """
-    rows = np.arange(sq) if rows is None else rows
-    cols = np.arange(sk) if cols is None else cols
-    vis = np.ones((len(rows), len(cols)), dtype=bool)
-    if align is not None:
-        vis &= cols[None, :] <= rows[:, None] + offset(sq, sk, align)
-    if window is not None:
-        left, right = window
-        dist = cols[None, :] - (rows[:, None] + sk - sq)  # key position relative to the query's diagonal
-        if left >= 0:
-            vis &= dist >= -left
-        if right >= 0:
-            vis &= dist <= right
-    return vis
 
 
 def _logits(q, k, causal, scale, window, softcap, alibi_slopes):
@@ -69,18 +49,8 @@ def prepare(q, k, v, causal, scale, who):
 
 
 def _check_features(q, window, softcap, alibi_slopes, sinks, dropout_p, dropout_mask, who):
-    b, hq, sq = q.shape[:3]
-    if window is not None and not (len(window) == 2 and all(isinstance(w, (int, np.integer)) and w >= -1
-                                                            for w in window)):
-        raise ValueError(f"{who}: window must be (left, right) ints >= -1, got {window!r}")
-    if softcap < 0:
-        raise ValueError(f"{who}: softcap must be >= 0 (0 = off), got {softcap!r}")
-    if alibi_slopes is not None and np.shape(alibi_slopes) not in ((hq,), (b, hq)):
-        raise ValueError(f"{who}: alibi_slopes must have shape ({hq},) or ({b}, {hq}), got {np.shape(alibi_slopes)}")
-    if sinks is not None and np.shape(sinks) != (hq,):
-        raise ValueError(f"{who}: sinks must have shape ({hq},), got {np.shape(sinks)}")
-    if not 0 <= dropout_p < 1:
-        raise ValueError(f"{who}: dropout_p must be in [0, 1), got {dropout_p!r}")
+    check_features(q, who=who, window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+                   dropout_p=dropout_p, tables=("float32", "float64"))
     if dropout_p > 0 and dropout_mask is None:
         raise ValueError(f"{who}: dense attention with dropout needs the keep mask (dropout_mask=)")
 

@@ -1,0 +1,67 @@
+"""The feature matrix, one record per feature (docs/features.md): every part of the suite reads it.
+
+A record says which AttentionCase fields the feature adds (with their "off" values), when a case
+turns it on, what a kernel that declares it receives (``Implementation.<name> = True``), what
+the dense reference receives, and what a valid value is. Its strategy lives in
+strategies/features.py, keyed by the same name. Adding a feature means one record here, its
+case fields, its strategy, and the kernels that implement it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class Feature:
+    name: str  # the declaration (Implementation.<name>) and the case's name for it
+    off: dict  # the AttentionCase fields it adds, at their "off" values
+    on: Callable  # case -> bool
+    call: Callable  # (case, tensor) -> the keywords a declaring kernel receives (off values when off)
+    reference: Callable  # case -> the keywords of the dense reference, when on
+    invalid: Callable  # case -> what is wrong with its fields, or None
+    random: bool = False  # its result depends on a random mask: checked by its own properties
+
+
+def _window_invalid(c):
+    w = c.window
+    if w is not None and not (len(w) == 2 and all(s >= -1 for s in w)):
+        return f"window must be (left, right) with each side >= -1, got {w!r}"
+    return None
+
+
+def _alibi_invalid(c):
+    import numpy as np
+
+    if c.alibi is not None and np.shape(c.alibi) not in ((c.hq,), (c.batch, c.hq)):
+        return f"alibi must hold {c.hq} slopes, or {c.batch} tuples of them, got {c.alibi!r}"
+    return None
+
+
+FEATURES = (
+    Feature("window", {"window": None}, lambda c: c.window is not None,
+            lambda c, t: {"window": (-1, -1) if c.window is None else tuple(c.window)},
+            lambda c: {"window": c.window}, _window_invalid),
+    Feature("softcap", {"softcap": 0.0}, lambda c: c.softcap > 0,
+            lambda c, t: {"softcap": float(c.softcap)},
+            lambda c: {"softcap": c.softcap},
+            lambda c: None if c.softcap >= 0 else f"softcap must be >= 0 (0 = off), got {c.softcap!r}"),
+    Feature("alibi", {"alibi": None}, lambda c: c.alibi is not None,
+            lambda c, t: {"alibi_slopes": None if c.alibi is None else t(c.alibi_slopes())},
+            lambda c: {"alibi_slopes": c.alibi_slopes()}, _alibi_invalid),
+    Feature("sinks", {"sinks": None}, lambda c: c.sinks is not None,
+            lambda c, t: {"sinks": None if c.sinks is None else t(c.sink_logits())},
+            lambda c: {"sinks": c.sink_logits()},
+            lambda c: None if c.sinks is None or len(c.sinks) == c.hq
+            else f"sinks must hold one logit per query head ({c.hq}), got {c.sinks!r}"),
+    # dropout's mask is the implementation's own (properties/test_dropout.py): the reference gets none
+    Feature("dropout", {"dropout_p": 0.0, "dropout_seed": 0}, lambda c: c.dropout_p > 0,
+            lambda c, t: {"dropout_p": float(c.dropout_p), "dropout_seed": int(c.dropout_seed)},
+            lambda c: {},
+            lambda c: None if 0 <= c.dropout_p < 1 else f"dropout_p must be in [0, 1), got {c.dropout_p!r}",
+            random=True),
+)
+NAMES = tuple(f.name for f in FEATURES)
+DETERMINISTIC = tuple(f.name for f in FEATURES if not f.random)  # checked against the truth directly
+BY_NAME = {f.name: f for f in FEATURES}
+OFF = {field: value for f in FEATURES for field, value in f.off.items()}  # every feature field, off
