@@ -29,7 +29,7 @@ import numpy as np
 from hypothesis.errors import UnsatisfiedAssumption
 
 from flashcheck.contract import call
-from flashcheck.oracle import TRUTH, Mismatch
+from flashcheck.oracle import TRUTH, Entries, Mismatch
 from flashcheck.strategies import AttentionCase
 
 MAP_WIDTH = 96  # characters of a row/key map before positions are grouped
@@ -69,7 +69,7 @@ class Failure:
     error: BaseException
     full_message: str
     pin: AttentionCase | None = None  # the pinned @example the case was shrunk from
-    entries: object = None  # flashcheck.oracle.Entries of the comparison that failed
+    entries: Entries | None = None  # what the oracle found, entry by entry, in the comparison that failed
     params: str = ""  # the test's other parameters (e.g. which malformed input)
 
     @classmethod

@@ -164,17 +164,17 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, skn, svn, lo, hi, offs_m, Sk, D
         k, v, s, _ = _kv_tile(q, k_base, v_base, skn, svn, offs_n, offs_m, Sk, D, Dv, OFF, qk_scale,
                               LOFF, DIAG, cap2, slope2, MASKED, CAUSAL, LEFT, SOFTCAP, ALIBI,
                               D_PAD, DV_PAD, PAD_D, PAD_DV, DOT_PREC)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # the running max, with this tile's scores
         if MASKED:
             # a row that has seen no key yet keeps m = -inf; shift it by 0 so exp2 gives 0, not NaN
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
             m_use = m_new
-        p = tl.exp2(s - m_use[:, None])
-        alpha = tl.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p = tl.exp2(s - m_use[:, None])  # this tile's weights, relative to the new max: at most 1
+        alpha = tl.exp2(m_i - m_use)  # how much smaller the old max makes what came before
+        l_i = l_i * alpha + tl.sum(p, 1)  # the running sum, on the new max's scale
         acc = acc * alpha[:, None]  # rescale what earlier tiles accumulated to the new max
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)  # and add this tile's P V
         m_i = m_new
     return acc, l_i, m_i
 
