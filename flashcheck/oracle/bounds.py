@@ -165,7 +165,8 @@ def _scores(case, pt, pr: Precision, u: Units) -> Scores:
     # An error x in the exponent moves P by expm1(x) relative: past x ~ 0.1 no longer x (large
     # logits in bfloat16 with pre-scaled operands reach x > 1).
     x = worst + pre + lse_worst
-    rho = np.where(vis, u.p + u.inp + 2 * u.tr + np.where(x > 1e-2, np.expm1(x), x), 0.0)
+    bent = np.expm1(x, out=x.copy(), where=x > 1e-2)  # expm1 only where it differs from x
+    rho = np.where(vis, u.p + u.inp + 2 * u.tr + bent, 0.0)
     rho_var = np.where(vis, VAR * (u.p ** 2 + u.inp ** 2) + var + lse_var, 0.0)
     sub = np.where(vis, u.sub, 0.0)
     w = p * rho + sub

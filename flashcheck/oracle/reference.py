@@ -95,14 +95,15 @@ def _keep_weights(p, dropout_p, dropout_mask, shape):
 
 
 def dense_forward(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, alibi_slopes=None, sinks=None,
-                  dropout_p=0.0, dropout_mask=None):
+                  dropout_p=0.0, dropout_mask=None, probs=None):
     """Dense attention computed in float64; returns (O, LSE) in the input dtype.
 
     With dropout, ``dropout_mask`` (bool, (B, Hq, Sq, Sk), True = kept) says which
     probabilities survive; they are scaled by 1 / (1 - dropout_p). The LSE ignores dropout.
+    ``probs``: dense_probs' result on the same inputs, where the caller has it (the oracle).
     """
     _check_features(q, window, softcap, alibi_slopes, sinks, dropout_p, dropout_mask, "numpy-dense")
-    p, lse, (_, _, vg, _, (b, hq, sq, _, dv)), _ = dense_probs(
+    p, lse, (_, _, vg, _, (b, hq, sq, _, dv)), _ = probs or dense_probs(
         q, k, v, causal, scale, "numpy-dense", window=window, softcap=softcap, alibi_slopes=alibi_slopes,
         sinks=sinks)
     o = _keep_weights(p, dropout_p, dropout_mask, p.shape) @ vg.astype(np.float64)
@@ -110,7 +111,7 @@ def dense_forward(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0
 
 
 def dense_backward(q, k, v, o, lse, do, *, causal=False, scale=None, window=None, softcap=0.0, alibi_slopes=None,
-                   sinks=None, dropout_p=0.0, dropout_mask=None):
+                   sinks=None, dropout_p=0.0, dropout_mask=None, probs=None):
     """Analytic gradients of sum(O * dO) in float64: dS = P * (dP - rowsum(dO * O)).
 
     The softcap multiplies dS by 1 - tanh^2 before the scale; dropout multiplies dP by
@@ -119,7 +120,7 @@ def dense_backward(q, k, v, o, lse, do, *, causal=False, scale=None, window=None
     takes probability away from the keys.
     """
     _check_features(q, window, softcap, alibi_slopes, sinks, dropout_p, dropout_mask, "numpy-dense")
-    p, _, (qg, kg, vg, scale, (b, hq, sq, sk, dv)), extra = dense_probs(
+    p, _, (qg, kg, vg, scale, (b, hq, sq, sk, dv)), extra = probs or dense_probs(
         q, k, v, causal, scale, "numpy-dense", window=window, softcap=softcap, alibi_slopes=alibi_slopes,
         sinks=sinks)
     f64 = np.float64

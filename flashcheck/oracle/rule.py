@@ -94,10 +94,16 @@ def _group(case, x):
 
 
 @functools.lru_cache(maxsize=32)
+def _probs(case: AttentionCase):
+    """The reference's softmax probabilities, computed once for the parts and the truth."""
+    q, k, v, _ = case.inputs()
+    return reference.dense_probs(q, k, v, who="oracle", **case.reference_kwargs())
+
+
+@functools.lru_cache(maxsize=32)
 def _parts(case: AttentionCase) -> _Parts:
-    q, k, v, do = case.inputs()
-    kw = case.reference_kwargs()
-    p, lse, (qg, kg, vg, sc, _), extra = reference.dense_probs(q, k, v, who="oracle", **kw)
+    _, _, _, do = case.inputs()
+    p, lse, (qg, kg, vg, sc, _), extra = _probs(case)
     s = np.where(case.visible(), extra["s"], 0.0)  # softcapped, ALiBi-biased logits where visible
     return _Parts(qg, kg, vg, _group(case, do), s, p, p @ vg, lse, sc, extra["psink"])
 
@@ -116,8 +122,8 @@ def truth(case: AttentionCase) -> Truth:
     """Dense float64 attention and its analytic gradients on the case's inputs."""
     q, k, v, do = case.inputs()
     kw = case.reference_kwargs()
-    o, lse = reference.dense_forward(q, k, v, **kw)
-    dq, dk, dv, *dsinks = reference.dense_backward(q, k, v, o, lse, do, **kw)
+    o, lse = reference.dense_forward(q, k, v, probs=_probs(case), **kw)
+    dq, dk, dv, *dsinks = reference.dense_backward(q, k, v, o, lse, do, probs=_probs(case), **kw)
     logit_max = float(np.abs(_parts(case).s).max(initial=0))
     return Truth(o, lse, dq, dk, dv, dsinks[0] if dsinks else None, logit_max)
 
