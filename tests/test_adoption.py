@@ -95,7 +95,8 @@ def test_no_impl_outside_a_checkout_says_so_with_the_command_to_run(tmp_path):
 
 HEAVY = ("numpy", "torch", "hypothesis", "flashcheck.impls", "flashcheck.strategies")
 LOADED = ("import sys, pytest; pytest.main(['--co', '-q', '-p', 'no:cacheprovider', *sys.argv[1:]]); "
-          f"print('LOADED', sorted(m for m in {HEAVY!r} if m in sys.modules))")
+          f"print('LOADED', sorted(m for m in {HEAVY!r} if m in sys.modules)); "
+          "print('PLUGIN', 'flashcheck.plugin' in sys.modules)")
 
 
 def test_a_pytest_run_that_is_not_about_flashcheck_loads_nothing_heavy_for_it(tmp_path):
@@ -105,11 +106,15 @@ def test_a_pytest_run_that_is_not_about_flashcheck_loads_nothing_heavy_for_it(tm
     def loaded(*args):
         run = subprocess.run([sys.executable, "-c", LOADED, *args], cwd=tmp_path, env=env, capture_output=True,
                              text=True, timeout=120)
-        return next(line for line in run.stdout.splitlines() if line.startswith("LOADED"))
+        lines = run.stdout.splitlines()
+        return next(line for line in lines if line.startswith("LOADED")), "PLUGIN True" in lines
 
-    alone, with_plugin = loaded("-p", "no:flashcheck"), loaded()
+    (alone, off), (with_plugin, on) = loaded("-p", "no:flashcheck.plugin"), loaded()
+    named, named_on = loaded("-p", "flashcheck.plugin")  # named on the command line as well as installed
+    assert (off, on, named_on) == (False, True, True), f"plugin loaded: blocked {off}, installed {on}, named {named_on}"
     # other plugins may import some of these themselves (Hypothesis's own plugin, pytest-benchmark)
     assert with_plugin == alone, f"expected flashcheck's plugin to add nothing to {alone}, got {with_plugin}"
+    assert named == alone, f"expected -p flashcheck.plugin to add nothing to {alone}, got {named}"
     assert "numpy" not in with_plugin and "flashcheck.impls" not in with_plugin, with_plugin
 
 
