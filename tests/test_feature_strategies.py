@@ -137,3 +137,22 @@ def test_a_case_without_features_prints_as_before_features_existed():
 def test_a_malformed_feature_field_is_named(fields, words):
     with pytest.raises(ValueError, match=words):
         Case(**fields)
+
+
+def test_the_feature_table_agrees_with_the_case_the_declaration_and_the_strategies():
+    from dataclasses import fields
+
+    from flashcheck.contract import Implementation
+    from flashcheck.strategies import feature_table
+    from flashcheck.strategies.features import STRATEGIES
+
+    defaults = {f.name: f.default for f in fields(Case)}
+    wrong = {k: (v, defaults.get(k, "missing")) for k, v in feature_table.OFF.items() if defaults.get(k, object()) != v}
+    assert not wrong, f"the table's off values (first) differ from AttentionCase's defaults (second): {wrong}"
+    declared = set(Implementation.__dataclass_fields__)
+    assert set(feature_table.NAMES) <= declared, f"features with no declaration: {set(feature_table.NAMES) - declared}"
+    assert set(STRATEGIES) == set(feature_table.NAMES), f"strategies {sorted(STRATEGIES)} for {feature_table.NAMES}"
+    plain = Case(hq=2)
+    assert plain.features == () and all(not f.on(plain) for f in feature_table.FEATURES), "a plain case has a feature on"
+    for feature in feature_table.FEATURES:
+        assert feature.invalid(plain) is None, f"{feature.name} calls the plain case invalid: {feature.invalid(plain)}"
