@@ -24,6 +24,8 @@ UNTRUSTED = ["no_masked_positions", "causal_by_supports", "first_call_wrong", "c
              "first_call_raises", "compiles_on_the_retry"]
 
 
+# Each fixture runs a whole property suite in a subprocess: the tests that read one share an
+# xdist group, so that one worker builds it once instead of each worker building its own.
 @pytest.fixture(scope="module")
 def examples():
     return harness.outcomes(list(EXAMPLES.values()), FILES)
@@ -41,6 +43,7 @@ def of(results, name):
     return {test: verdict for test, verdict in results.items() if f"[{name}" in test}
 
 
+@pytest.mark.xdist_group("examples-plugins")
 @pytest.mark.parametrize("name", sorted(EXAMPLES))
 def test_a_correct_plugin_declaring_its_limits_passes_the_whole_suite(examples, name):
     results, out = examples
@@ -56,18 +59,21 @@ def test_a_correct_plugin_declaring_its_limits_passes_the_whole_suite(examples, 
     assert not health, f"a health-check error in the run of the examples: {health.group(0)}"
 
 
+@pytest.mark.xdist_group("examples-plugins")
 def test_the_deterministic_example_is_checked_for_determinism(examples):
     results, _ = examples
     test = "test_invariance::test_repeated_calls_on_one_input_are_bitwise_identical[sdpa-causal-only]"
     assert [v for t, v in results.items() if t.endswith(test)] == [("passed", "")], sorted(results)
 
 
+@pytest.mark.xdist_group("examples-plugins")
 def test_numeric_properties_run_before_input_validation(examples):
     order = list(examples[0])
     validation = [i for i, t in enumerate(order) if "test_bad_input" in t]
     assert validation and min(validation) > max(i for i, t in enumerate(order) if "test_bad_input" not in t), order
 
 
+@pytest.mark.xdist_group("untrusted-plugins")
 def test_the_same_kernel_with_ulp_noise_fails_on_determinism(untrusted):
     results = of(untrusted[0], "sdpa-causal-only-ulp-noise")
     outcome, message = results[next(t for t in results if "bitwise_identical" in t)]
@@ -76,6 +82,7 @@ def test_the_same_kernel_with_ulp_noise_fails_on_determinism(untrusted):
     assert accurate == ("passed", ""), f"one ulp of noise is within the oracle's tolerance: {accurate}"
 
 
+@pytest.mark.xdist_group("untrusted-plugins")
 def test_a_property_no_case_of_which_fits_is_skipped_with_the_reason(untrusted):
     masked = of(untrusted[0], "no-masked-positions")
     assert [v for t, v in masked.items() if "masked_positions" in t] == [
@@ -87,6 +94,7 @@ def test_a_property_no_case_of_which_fits_is_skipped_with_the_reason(untrusted):
     assert outcome == "skipped" and "last refusal: it has no non-causal mode" in message, (outcome, message)
 
 
+@pytest.mark.xdist_group("untrusted-plugins")
 def test_different_answers_to_one_input_are_reported_as_nondeterminism(untrusted):
     results = of(untrusted[0], "first-call-wrong")
     outcome, message = results[next(t for t in results if "output_matches" in t)]
@@ -99,6 +107,7 @@ def test_different_answers_to_one_input_are_reported_as_nondeterminism(untrusted
                           "  the error: RuntimeError: first-call-raises: out of workspace memory"),
     ("compiles-on-the-retry", "compiles-on-the-retry failed to compile on the first call and returned on the retry"),
 ])
+@pytest.mark.xdist_group("untrusted-plugins")
 def test_an_error_that_does_not_recur_is_reported_as_what_it_was_not_as_nondeterminism(untrusted, name, said):
     results = of(untrusted[0], name)
     outcome, message = results[next(t for t in results if "output_matches" in t)]
