@@ -98,8 +98,8 @@ def test_dense_reference_matches_exactly_summed_python_rows(case):
 def test_a_reference_with_its_scale_doubled_is_caught(check, monkeypatch):
     real = dense.dense_forward
 
-    def doubled(q, k, v, *, causal=False, scale=None):
-        return real(q, k, v, causal=causal, scale=2 * (1 / math.sqrt(q.shape[-1]) if scale is None else scale))
+    def doubled(q, k, v, *, causal=False, scale=None, **rest):  # rest: what the oracle passes (probs=)
+        return real(q, k, v, causal=causal, scale=2 * (1 / math.sqrt(q.shape[-1]) if scale is None else scale), **rest)
 
     monkeypatch.setattr(dense, "dense_forward", doubled)
     with pytest.raises(AssertionError, match="reference (o|lse)"):
