@@ -17,7 +17,8 @@
 - Numeric properties run before the ``input_validation`` ones, so a kernel that validates
   nothing does not stop an ``-x`` run before its numbers were checked. In a plug-in run, those
   that fail on a first case (flashcheck.firstpass) run before the others.
-- FLASHCHECK_PROPERTY_SECONDS gives each property a time budget (a night sized by time).
+- FLASHCHECK_PROPERTY_SECONDS gives each property a time budget for its generated cases, counted
+  from the first one, after its pins (a night sized by time).
 - A failing kernel property prints a short report (flashcheck.report) and writes a reproducer.
 - Nothing tested is a failure: an implementation for a device this machine lacks stops the
   run at once, and a run whose every kernel property was skipped fails; ``--allow-skip`` opts out.
@@ -25,7 +26,6 @@
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import pytest
@@ -356,7 +356,7 @@ def pytest_runtest_setup(item):
     context.begin(impl=impl, pins=frozenset(v for pin in pins for v in pin.kwargs.values()
                                             if isinstance(v, AttentionCase)),
                   coverage=getattr(test, "flashcheck_coverage", frozenset()),
-                  budget=time.monotonic() + _seconds(seconds) if seconds and impl is not None else None)
+                  budget=_seconds(seconds) if seconds and impl is not None else None)
     PerImplementation.current = key_of(impl) if impl is not None and _state(item.config) else None
 
 

@@ -17,7 +17,8 @@ class Test:
     impl: object = None  # the implementation the test draws for: lengths go around its declared tiles
     pins: frozenset = frozenset()  # the test's @example cases
     coverage: frozenset = frozenset()  # those written to cover a (dtype, regime) pair: refitting is their job
-    budget: float | None = None  # time.monotonic() past which generated cases are refused
+    budget: float | None = None  # seconds of generated cases, counted from the first one (pins never spend it)
+    generated_from: float | None = None  # time.monotonic() of the first generated case fitted
     first_pass: object = False  # True in the plugin's first pass (flashcheck/firstpass.py), then the pin it ran
     last_fitted: tuple | None = None  # (impl, case) of the latest fit: the case a failure report shows
     last_refusal: str | None = None  # why the latest case was rejected: shown when no case fits at all

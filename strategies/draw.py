@@ -240,8 +240,11 @@ def fit(impl, case: AttentionCase) -> AttentionCase:
     reported (the test context's pin_reports), so that it never passes without testing what it names.
     """
     test = context.current()
-    if test.budget is not None and test.last_fitted is not None and case not in test.pins \
-            and time.monotonic() > test.budget:
+    generated = test.budget is not None and case not in test.pins
+    # The budget is for generated cases, counted from the first one that runs, so a property whose
+    # pins alone outlast it still runs one: Hypothesis reads a property with no generated case as
+    # one whose every draw was refused (Unsatisfiable), not as one that ran out of time.
+    if generated and test.generated_from is not None and time.monotonic() > test.generated_from + test.budget:
         test.last_refusal = "the property's time budget is spent (FLASHCHECK_PROPERTY_SECONDS)"
         reject()  # Hypothesis ends the property once its refusals pile up: a night sized by time
     c, why = supported(impl, case)
@@ -250,6 +253,8 @@ def fit(impl, case: AttentionCase) -> AttentionCase:
         _note(f"{impl.name} cannot run {case!r}: {why}")
         test.last_refusal = why
         reject()
+    if generated and test.generated_from is None:
+        test.generated_from = time.monotonic()
     if c != case.replace(precision=impl.precision):  # a precision alone is not worth a note
         _note(f"fitted to {impl.name}: {c!r}")
         changed = [f for f in FIELDS if getattr(case, f) != getattr(c, f) and f not in _incidental(case, impl)]

@@ -197,9 +197,15 @@ def test_a_plugin_declaring_nothing_runs_with_the_defaults():
     assert record.dtypes == ("float32",) and record.causal == ("bottom_right",) and not record.has_backward
 
 
-def test_a_spent_time_budget_ends_a_property_after_the_cases_already_run(monkeypatch):
-    import time
+def _budgeted(prop, seconds):
+    context.begin(budget=seconds, pins=frozenset(getattr(prop, "flashcheck_pins", ())))
+    try:
+        prop()
+    finally:
+        context.end()
 
+
+def test_a_spent_time_budget_ends_a_property_after_the_cases_already_run():
     from hypothesis import HealthCheck, given, settings
 
     from flashcheck import strategies as fs
@@ -212,12 +218,34 @@ def test_a_spent_time_budget_ends_a_property_after_the_cases_already_run(monkeyp
     def prop(case):
         ran.append(fs.fit(impl, case))
 
-    context.begin(budget=time.monotonic() - 1)  # spent before the property starts
-    try:
-        prop()
-    finally:
-        context.end()
-    assert len(ran) == 1, f"expected the first case alone once the budget is spent, ran {len(ran)}"
+    _budgeted(prop, 0.0)  # spent as soon as the first generated case starts it
+    assert len(ran) == 1, f"expected the first generated case alone once the budget is spent, ran {len(ran)}"
+
+
+def test_pins_that_outlast_the_budget_still_leave_one_generated_case():
+    """In the gpu lane, a property's pins (compiling kernels) can take longer than its whole budget;
+    the budget then must not refuse every generated case, which Hypothesis reports as Unsatisfiable,
+    and the plugin as "no case fits its declarations"."""
+    import time
+
+    from hypothesis import HealthCheck, example, given, settings
+
+    from flashcheck import strategies as fs
+
+    impl = load("numpy-dense")
+    pin = fs.AttentionCase(sq=3, sk=5)
+    ran = []
+
+    @settings(max_examples=8, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @given(fs.cases())
+    @example(pin)
+    def prop(case):
+        ran.append(fs.fit(impl, case))
+        time.sleep(0.05)  # every case outlasts the budget: the pin alone would spend it
+
+    prop.flashcheck_pins = (pin,)
+    _budgeted(prop, 0.01)
+    assert ran[:1] == [pin] and len(ran) == 2, f"expected the pin, then one generated case; ran {ran}"
 
 
 def test_repeated_impl_and_the_environment_select_the_same_implementations():
