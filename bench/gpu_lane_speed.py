@@ -1,23 +1,28 @@
-"""Examples per second of the gpu lane, shape buckets off and on, side by side in one run.
+"""Examples per second of the gpu lane, as it was and as it is, side by side in one run.
 
     python bench/gpu_lane_speed.py --out DIR [--window 240] [--seed 1] [--nights 2]
 
 Starts eight pytest processes at once (the gpu lane's ``-n 8``, without needing pytest-xdist):
-triton-fused and examples/triton_autotuned.py, each with FLASHCHECK_SHAPE_BUCKETS=0 (every draw
-a new shape, as before the buckets) and =1, each over two halves of the kernel properties
-(test_forward + test_backward, test_invariance + test_features). Every process runs the gpu
-profile from one --hypothesis-seed and one bucket seed, with its own example database, and each
-(implementation, buckets) pair its own empty Triton cache, so that no pair reuses another's
-compiles. A process still running after --window seconds is stopped; the examples it finished
-count (FLASHCHECK_TIMING_LOG, flashcheck/timing.py). Prints one row per pair: tests finished,
-examples, seconds, examples per second, Triton JIT seconds, failures; then the speed-ups. Logs
-and the JSON lines go to DIR. The whole run takes the window plus about a minute, per night.
+triton-fused and examples/triton_autotuned.py, each in two arms, each arm over two halves of the
+kernel properties (test_forward + test_backward, test_invariance + test_features):
+
+- ``before``: the lane as it first ran, every draw a new shape (FLASHCHECK_SHAPE_BUCKETS=0) and
+  every process on all the cores (torch's default, as xdist's workers had it);
+- ``now``: shapes from the run's buckets, and each process on its share of the cores
+  (OMP_NUM_THREADS = cores / 8, what the plugin gives xdist's workers).
+
+Every process runs the gpu profile from one --hypothesis-seed and one bucket seed, with its own
+example database, and each (implementation, arm) pair its own empty Triton cache, so that no pair
+reuses another's compiles. A process still running after --window seconds is stopped; the
+examples it finished count (FLASHCHECK_TIMING_LOG, flashcheck/timing.py). Prints one row per
+pair: tests finished, examples, seconds, examples per second, Triton JIT seconds, failures; then
+the speed-ups. Logs and the JSON lines go to DIR. The whole run takes the window plus about a
+minute, per night.
 
 ``--nights 2`` runs it all again as a nightly job's next night would: a new --hypothesis-seed,
 the same bucket seed (FLASHCHECK_BUCKET_SEED, fixed in the job) and each pair's Triton cache
 from the night before, which a CUDA runner keeps between runs. Free draws meet new shapes each
-night; the buckets meet the kernels the cache already holds. Each process gets its share of the
-cores (OMP_NUM_THREADS), as the plugin gives xdist's workers.
+night; the buckets meet the kernels the cache already holds.
 """
 from __future__ import annotations
 
@@ -34,16 +39,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 IMPLS = {"triton-fused": "triton-fused",
          "triton-autotuned": str(ROOT / "examples" / "triton_autotuned.py") + ":attention"}
+ARMS = {"before": dict(buckets=0, threads=os.cpu_count() or 1),
+        "now": dict(buckets=1, threads=max(1, (os.cpu_count() or 1) // 8))}
 HALVES = (("properties/test_forward.py", "properties/test_backward.py"),
           ("properties/test_invariance.py", "properties/test_features.py"))
 
 
-def launch(impl, spec, buckets, half, files, args, out: Path, caches: Path, night: int):
-    name = f"{impl}-buckets{buckets}-part{half}-night{night}"
-    env = dict(os.environ, FLASHCHECK_PROFILE=args.profile, FLASHCHECK_SHAPE_BUCKETS=str(buckets),
-               OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // 8)),
+def launch(impl, spec, arm, half, files, args, out: Path, caches: Path, night: int):
+    name = f"{impl}-{arm}-part{half}-night{night}"
+    env = dict(os.environ, FLASHCHECK_PROFILE=args.profile, FLASHCHECK_SHAPE_BUCKETS=str(ARMS[arm]["buckets"]),
+               OMP_NUM_THREADS=str(ARMS[arm]["threads"]),
                FLASHCHECK_BUCKET_SEED=str(args.seed), FLASHCHECK_TIMING_LOG=str(out / f"{name}.jsonl"),
-               FLASHCHECK_DB=str(caches / f"db-{name}"), TRITON_CACHE_DIR=str(caches / f"triton-{impl}-{buckets}"),
+               FLASHCHECK_DB=str(caches / f"db-{name}"), TRITON_CACHE_DIR=str(caches / f"triton-{impl}-{arm}"),
                # eight processes on one GPU: JAX, where a built-in loads it, takes only what it uses
                XLA_PYTHON_CLIENT_PREALLOCATE="false")
     env.pop("FLASHCHECK_IMPL", None)
@@ -51,7 +58,7 @@ def launch(impl, spec, buckets, half, files, args, out: Path, caches: Path, nigh
            "--impl", spec, f"--hypothesis-seed={args.seed + night}", *files]
     log = open(out / f"{name}.log", "w")
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    return dict(name=name, impl=impl, buckets=buckets, night=night, proc=proc, log=log, start=time.time(),
+    return dict(name=name, impl=impl, arm=arm, night=night, proc=proc, log=log, start=time.time(),
                 end=None, stopped=False)
 
 
@@ -75,7 +82,7 @@ def wait(runs, window):
 def summarize(runs, out: Path, night: int):
     pairs = {}
     for r in runs:
-        p = pairs.setdefault((r["impl"], r["buckets"]), dict(tests=0, examples=0, seconds=0.0, jit=0.0, failed=0,
+        p = pairs.setdefault((r["impl"], r["arm"]), dict(tests=0, examples=0, seconds=0.0, jit=0.0, failed=0,
                                                              stopped=0))
         records = []
         path = out / f"{r['name']}.jsonl"
@@ -98,19 +105,19 @@ def summarize(runs, out: Path, night: int):
         p.setdefault("failures", []).extend(t["test"] for t in tests if t["outcome"] == "failed")
         p["stopped"] += r["stopped"]
     lines = [f"night {night + 1}" + (" (each pair's Triton cache from the night before)" if night else " (empty caches)"),
-             f"{'implementation':18} {'buckets':7} {'tests':>5} {'examples':>8} {'seconds':>7} {'ex/s':>6} "
+             f"{'implementation':18} {'arm':7} {'tests':>5} {'examples':>8} {'seconds':>7} {'ex/s':>6} "
              f"{'jit s':>7} {'failed':>6}  stopped"]
-    for (impl, b), p in sorted(pairs.items()):
+    for (impl, arm), p in sorted(pairs.items()):
         p["rate"] = p["examples"] / p["seconds"] if p["seconds"] else 0.0
-        lines.append(f"{impl:18} {'on' if b else 'off':7} {p['tests']:5d} {p['examples']:8d} {p['seconds']:7.0f} "
+        lines.append(f"{impl:18} {arm:7} {p['tests']:5d} {p['examples']:8d} {p['seconds']:7.0f} "
                      f"{p['rate']:6.2f} {p['jit']:7.0f} {p['failed']:6d}  {p['stopped']} of 2 halves at the window")
     for impl in IMPLS:
-        off, on = pairs.get((impl, 0)), pairs.get((impl, 1))
-        if off and on and off["rate"]:
-            lines.append(f"{impl}: buckets on give {on['rate'] / off['rate']:.1f}x the examples per second")
-    for (impl, b), p in sorted(pairs.items()):
-        lines += [f"  failed ({impl}, buckets {'on' if b else 'off'}): {t}" for t in p["failures"]]
-    (out / f"speed-night{night + 1}.json").write_text(json.dumps({f"{i} buckets={b}": p for (i, b), p in pairs.items()},
+        before, now = pairs.get((impl, "before")), pairs.get((impl, "now"))
+        if before and now and before["rate"]:
+            lines.append(f"{impl}: now {now['rate'] / before['rate']:.1f}x the examples per second of before")
+    for (impl, arm), p in sorted(pairs.items()):
+        lines += [f"  failed ({impl}, {arm}): {t}" for t in p["failures"]]
+    (out / f"speed-night{night + 1}.json").write_text(json.dumps({f"{i} {a}": p for (i, a), p in pairs.items()},
                                                                  indent=1))
     return lines
 
@@ -127,8 +134,8 @@ def main():
     lines = []
     with tempfile.TemporaryDirectory(prefix="lane-speed-") as tmp:
         for night in range(args.nights):
-            runs = [launch(impl, spec, b, h, files, args, args.out, Path(tmp), night)
-                    for impl, spec in IMPLS.items() for b in (0, 1) for h, files in enumerate(HALVES)]
+            runs = [launch(impl, spec, arm, h, files, args, args.out, Path(tmp), night)
+                    for impl, spec in IMPLS.items() for arm in ARMS for h, files in enumerate(HALVES)]
             wait(runs, args.window)
             tonight = summarize(runs, args.out, night)
             lines += tonight
