@@ -1,11 +1,12 @@
-"""Run the property suite against one implementation exactly as a user would, and read the verdict."""
+"""Run the property suite against one implementation exactly as a user would, and read the verdict.
+
+Each run is a whole ``python -m pytest`` in a process of its own (a fork of a warm server that has
+only imported torch, NumPy, Hypothesis and pytest: mutants/forked.py says why and what differs)."""
 from __future__ import annotations
 
 import os
 import re
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ from pathlib import Path
 from xml.etree import ElementTree
 
 from flashcheck.strategies.case import CASE_PATTERN
+from mutants import forked
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS: list = []  # (spec, bug class, Verdict) of this session, for the table
@@ -50,10 +52,9 @@ def run_suite(spec: str, pins: bool = True, timeout: float = 600, files=FILES, s
         env.pop("FLASHCHECK_NO_SHRINK", None)
         if not shrink:
             env["FLASHCHECK_NO_SHRINK"] = "1"
-        cmd = [sys.executable, "-m", "pytest", "-m", "properties", "-x", "-q", "-p", "no:cacheprovider",
-               "-p", "no:randomly", "--impl", spec, *files]
+        args = ["-m", "properties", "-x", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", "--impl", spec, *files]
         start = time.perf_counter()
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        proc = forked.pytest_run(args, cwd=ROOT, env=env, timeout=timeout)
         seconds = time.perf_counter() - start
     out = proc.stdout + proc.stderr
     if proc.returncode not in (0, 1):
@@ -75,9 +76,9 @@ def outcomes(specs, files, *args, pins: bool = True, timeout: float = 600) -> tu
         if not pins:
             env["FLASHCHECK_SKIP_EXAMPLES"] = "1"
         xml = Path(tmp) / "junit.xml"
-        cmd = [sys.executable, "-m", "pytest", "-m", "properties", "-q", "-rs", "-p", "no:cacheprovider",
-               "-p", "no:randomly", f"--junitxml={xml}", *(a for s in specs for a in ("--impl", s)), *args, *files]
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        cmd = ["-m", "properties", "-q", "-rs", "-p", "no:cacheprovider", "-p", "no:randomly", f"--junitxml={xml}",
+               *(a for s in specs for a in ("--impl", s)), *args, *files]
+        proc = forked.pytest_run(cmd, cwd=ROOT, env=env, timeout=timeout)
         out = proc.stdout + proc.stderr
         if proc.returncode not in (0, 1) or not xml.exists():
             raise RuntimeError(f"pytest could not run {specs} (exit {proc.returncode}):\n{out[-3000:]}")
