@@ -46,6 +46,10 @@ def _profile() -> str:
     return (name or "default").split("-")[0]  # ci-random-nopins draws as ci does
 
 
+# The refusal that ends a property on time: the plugin passes a property that it ended.
+BUDGET_SPENT = "the property's time budget is spent (FLASHCHECK_PROPERTY_SECONDS)"
+
+
 def limits() -> dict:
     return LIMITS.get(_profile(), LIMITS["default"])
 
@@ -245,7 +249,7 @@ def fit(impl, case: AttentionCase) -> AttentionCase:
     # pins alone outlast it still runs one: Hypothesis reads a property with no generated case as
     # one whose every draw was refused (Unsatisfiable), not as one that ran out of time.
     if generated and test.generated_from is not None and time.monotonic() > test.generated_from + test.budget:
-        test.last_refusal = "the property's time budget is spent (FLASHCHECK_PROPERTY_SECONDS)"
+        test.last_refusal = BUDGET_SPENT
         reject()  # Hypothesis ends the property once its refusals pile up: a night sized by time
     c, why = supported(impl, case)
     if c is None:

@@ -248,6 +248,16 @@ def test_pins_that_outlast_the_budget_still_leave_one_generated_case():
     assert ran[:1] == [pin] and len(ran) == 2, f"expected the pin, then one generated case; ran {ran}"
 
 
+def test_a_property_ended_by_its_budget_passes_with_what_it_ran():
+    """Refusals right after the first generated case trip Hypothesis's filter health check: the
+    gpu lane reported such properties as "no case fits its declarations" and skipped them."""
+    run = _pytest("-m", "properties", "-q", "-rs", "--impl", "examples/numpy_rowwise.py:attention",
+                  "properties/test_forward.py::test_output_matches_dense_float64",
+                  env={"FLASHCHECK_PROPERTY_SECONDS": "0.001"})
+    assert run.returncode == 0 and "1 passed" in run.stdout, (
+        f"expected the property to pass on its pins and first generated case, got:\n{run.stdout[-1500:]}")
+
+
 def test_repeated_impl_and_the_environment_select_the_same_implementations():
     args = ["-m", "properties", "-q", "--collect-only", "properties/test_forward.py"]
     both = _pytest(*args, "--impl", "examples/numpy_rowwise.py:attention", "--impl", "flashcheck.impls.numpy_ref:dense_forward")
