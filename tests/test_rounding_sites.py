@@ -110,3 +110,15 @@ def test_a_truth_that_cancels_to_noise_does_not_count_towards_a_bias():
     clear = np.abs(want) > orc.allowed(case, "dq")[0]
     assert not clear.any(), "equal keys: every dQ entry should sit below its own rounding noise"
     assert orc.bias(case, "dq", noise, want) is None, "entries below their noise must not count"
+
+
+def test_the_bounds_stay_numbers_where_the_scores_error_passes_exp_s_range():
+    """Logits near 3.5e7 with TF32 operands: an error past exp's range met a P that underflowed
+    (0 x inf), which left NaN in 4256 dK and 32 dQ bounds, so every kernel failed the backward
+    there, and a RuntimeWarning in the gpu lane (jax-xla, keys permuted)."""
+    case = Case(batch=3, hq=6, hkv=2, sq=178, sk=133, d=32, dv=32, scale=1.0825932355076275, dtype="float32",
+                block_q=7, block_k=7, regime="heavy", seed=98379, precision="tf32")
+    with np.errstate(all="raise", under="ignore"):
+        for name in ("o", "lse", "dq", "dk", "dv"):
+            limit, _ = orc.allowed(case, name)
+            assert not np.isnan(limit).any(), f"{name}: expected a bound at every entry, {np.isnan(limit).sum()} are NaN"

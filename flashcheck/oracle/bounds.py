@@ -64,6 +64,16 @@ def ties(x: np.ndarray, axes: tuple) -> tuple[np.ndarray, np.ndarray]:
     return back(n.astype(np.float64)), back(big)
 
 
+def _p_expm1(p, logp, x):
+    """P expm1(x): how far an error x in its exponent moves P. Where P underflows, or e^x passes
+    float64's range, through log P (P e^x, at most 1: a probability is never off by more), so that
+    the bound stays a number and no infinity meets a zero."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        direct = p * np.expm1(x)
+        far = np.minimum(np.exp(logp + x), 1.0)
+    return np.where(np.isfinite(direct) & (p > 0), direct, far)
+
+
 def _trunc_mean(a_times_b, abs_a_times_abs_b, u_tr):
     """The coherent mean error of a product whose two operands are truncated to TF32."""
     return u_tr * 2 * (TRUNC_MEAN * np.abs(a_times_b) + TRUNC_SPREAD * abs_a_times_abs_b)
@@ -120,7 +130,8 @@ class Scores:
     worst: np.ndarray  # a score's error, relative in P: worst case
     var: np.ndarray  # and its variance
     pre: np.ndarray  # the coherent share of pre-scaled or truncated operands
-    rho: np.ndarray  # bound on P_ij's relative error
+    rho: np.ndarray  # bound on P_ij's relative error (infinite where the exponent's error passes exp's range)
+    p_rho: np.ndarray  # P rho: P_ij's absolute error, always a number
     rho_var: np.ndarray
     w: np.ndarray  # bound on the error of p_ij
     w2_p: np.ndarray  # the variance of P's own rounding
@@ -166,10 +177,13 @@ def _scores(case, pt, pr: Precision, u: Units) -> Scores:
     # logits in bfloat16 with pre-scaled operands reach x > 1).
     x = worst + pre + lse_worst
     bent = np.expm1(x, out=x.copy(), where=x > 1e-2)  # expm1 only where it differs from x
-    rho = np.where(vis, u.p + u.inp + 2 * u.tr + bent, 0.0)
+    base = u.p + u.inp + 2 * u.tr
+    rho = np.where(vis, base + bent, 0.0)
+    logp = pt.s - lse  # log P where visible: finite where P itself underflows
+    p_rho = np.where(vis, np.where(x > 1e-2, p * base + _p_expm1(p, logp, x), p * rho), 0.0)
     rho_var = np.where(vis, VAR * (u.p ** 2 + u.inp ** 2) + var + lse_var, 0.0)
     sub = np.where(vis, u.sub, 0.0)
-    w = p * rho + sub
+    w = p_rho + sub
     w2 = p * p * rho_var + sub * sub / 3  # its variance (subnormals: a fixed spacing, so uniform)
     # "dense": P normalized before it is rounded. Equal probabilities (equal keys, scale 0) then carry
     # one rounding error: along a row for O, along a key's column (every row of every head of the
@@ -188,10 +202,10 @@ def _scores(case, pt, pr: Precision, u: Units) -> Scores:
     # order of each dot product's sum and stay independent.
     w2_p = p * p * VAR * u.p ** 2
     shared = bool(pre.any())  # pre-scaled or truncated operands: their coherent terms (else all zero)
-    wp = p * np.expm1(pre + (p * pre).sum(-1, keepdims=True)) if shared else 0.0
+    wp = np.where(vis, _p_expm1(p, logp, pre + (p * pre).sum(-1, keepdims=True)), 0.0) if shared else 0.0
     return Scores(vis=vis, q=q, k=k, v=pt.v, do=pt.do, p=p, o=pt.o, scale=pt.scale, sc=sc, aq=aq, ak=ak,
                   av=np.abs(pt.v), ado=np.abs(pt.do), ao=np.abs(pt.o), abs_s=abs_s, worst=worst, var=var,
-                  pre=pre, rho=rho, rho_var=rho_var, w=w, w2_p=w2_p, w2_rest=w2 - w2_p, n_row=n_row, n_col=n_col,
+                  pre=pre, rho=rho, p_rho=p_rho, rho_var=rho_var, w=w, w2_p=w2_p, w2_rest=w2 - w2_p, n_row=n_row, n_col=n_col,
                   big_row=big_row, wp=wp, sub=sub, lse=lse)
 
 
@@ -274,7 +288,7 @@ def _dscores(case, s: Scores, u: Units, dscores, o_terms, half_spacing, out_fmt)
     d_var = (ado * ado * (o_var + o_round * o_round * VAR)).sum(-1, keepdims=True)
     dp_mag = ado @ _swap(s.av)
     # Where rho is large (pre-scaled operands at large logits) the errors that P multiplies grow with it.
-    p_hi = p * (1 + np.where(s.rho > 1e-2, s.rho, 0.0))  # (below 1%: second order, left out as before)
+    p_hi = p + np.where(s.rho > 1e-2, s.p_rho, 0.0)  # (below 1%: second order, left out as before)
     dp_err = p_hi * (u.sum_of(dv) * dp_mag + u.dp * np.abs(dp))
     if u.tr:
         dp_err = dp_err + p_hi * _trunc_mean(dp, dp_mag, u.tr)
@@ -287,7 +301,7 @@ def _dscores(case, s: Scores, u: Units, dscores, o_terms, half_spacing, out_fmt)
         rel_g = np.where(s.vis, 2 * g * raw / case.softcap + 4 * u.acc, 0.0)
     else:
         rel_g = 0.0
-    eta = a_ds * s.rho + p_hi * np.abs(dp_minus_d) * (u.p + u.tr + rel_g) + dp_err + sub_ds
+    eta = np.abs(dp_minus_d) * s.p_rho + p_hi * np.abs(dp_minus_d) * (u.p + u.tr + rel_g) + dp_err + sub_ds
     eta2 = ds * ds * (VAR * (u.p ** 2 + rel_g * rel_g)) + VAR * dp_err ** 2 + sub_ds * sub_ds / 3
     eta2 = eta2 + ds * ds * s.rho_var  # the backward's P is float32: no rounding of P's value here
     # A kernel may round dS, or q, already multiplied by the scale: their subnormals then cost
@@ -296,12 +310,12 @@ def _dscores(case, s: Scores, u: Units, dscores, o_terms, half_spacing, out_fmt)
     sub_sc = s.sub / s.sc if s.sc > 0 else s.sub
     if s.pre.any():
         # dS's share of the shared operand errors; and O's coherent error reaches D coherently.
-        ds_pre = a_ds * np.expm1(s.pre + (p * s.pre).sum(-1, keepdims=True)) + u.pre * p_hi * np.abs(dp_minus_d)
+        ds_pre = np.abs(dp_minus_d) * (s.wp + u.pre * p_hi)  # |dP - D| P expm1(the shared error), and dS's own
         d_pre = (ado * (s.wp @ s.av + ao * s.wp.sum(-1, keepdims=True))).sum(-1, keepdims=True)
     else:
         ds_pre = d_pre = 0.0
     return DScores(ds=ds, a_ds=a_ds, eta=eta, eta2=eta2, d_worst=d_worst, d_var=d_var, e_row=e_row,
-                   p_hi=p_hi, pk=np.abs(p @ s.k), prk=(p * s.rho) @ s.ak, sub_sc=sub_sc, ds_pre=ds_pre,
+                   p_hi=p_hi, pk=np.abs(p @ s.k), prk=s.p_rho @ s.ak, sub_sc=sub_sc, ds_pre=ds_pre,
                    d_pre=d_pre)
 
 

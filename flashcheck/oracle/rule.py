@@ -299,12 +299,13 @@ def compare(case: AttentionCase, name: str, got: np.ndarray, want: np.ndarray | 
                        f"({int(e.nonfinite.sum())} such entries)\n", lambda: "", tail, case=case, entries=e)
     if e.wrong.any():
         err, limit = e.err, e.limit
-        idx = tuple(int(i) for i in np.unravel_index(np.argmax(err / np.maximum(limit, 1e-300)), err.shape))
-        rel = err[idx] / max(abs(float(e.want[idx])), 1e-300)
+        with np.errstate(over="ignore"):  # an error far past a bound near zero is an infinite ratio
+            idx = tuple(int(i) for i in np.unravel_index(np.argmax(err / np.maximum(limit, 1e-300)), err.shape))
+        rel = float(err[idx]) / max(abs(float(e.want[idx])), 1e-300)  # Python floats: inf, not a warning
         model_err = allowed(case, name)[1]
         head = (f"{label}: {int(e.wrong.sum())} of {err.size} entries off by more than allowed; worst at {idx}: "
                 f"expected {float(e.want[idx])!r}, got {float(got[idx])!r}, error {err[idx]:.3e} (relative "
-                f"{rel:.2e}) > allowed {limit[idx]:.3e} ({err[idx] / max(limit[idx], 1e-300):.3g}x)\n"
+                f"{rel:.2e}) > allowed {limit[idx]:.3e} ({float(err[idx]) / max(float(limit[idx]), 1e-300):.3g}x)\n"
                 f"  rule: {case.precision} {case.dtype} rounding model (its own largest error {model_err:.3e})\n")
         hint = (lambda: explain(case, name, got, err)) if against_truth and budget is None else (lambda: "")
         raise Mismatch(head, hint, tail, case=case, entries=e)
