@@ -17,6 +17,10 @@ and adds shapes drawn from a seeded generator, so that runs with other seeds cov
 shapes. It is sorted plainest first: ``sampled_from`` shrinks towards its first element, so a
 failure still shrinks to the smallest shape in the set that shows it.
 
+A kernel that declares fixed tiles also gets shapes at their boundaries. One that declares
+``supports`` is drawn only the shapes it runs, plus shapes at powers of two for any relation between
+the lengths that none of those has: a kernel taking multiples of 64 alone still meets Sq > Sk.
+
 - On in the ``gpu`` profile; FLASHCHECK_SHAPE_BUCKETS=0 turns it off there (the draws are then
   those of every other profile), =1 turns it on in any profile.
 - FLASHCHECK_BUCKET_SEED=N picks the set. Unset, the pytest plugin takes ``--hypothesis-seed``, else
@@ -31,6 +35,8 @@ import zlib
 from dataclasses import astuple, dataclass
 
 from hypothesis import strategies as st
+
+from flashcheck.strategies import context
 
 ENV = "FLASHCHECK_SHAPE_BUCKETS"
 SEED_ENV = "FLASHCHECK_BUCKET_SEED"
@@ -178,7 +184,49 @@ def run_shapes() -> tuple[Shape, ...]:
     dims = tuple(x for x in fs_draw.DIMS if x <= lim["dim"])
     found = shapes(seed(), tuple(sorted(lim.items())), fs_draw.BLOCKS, dims)
     tiles = fs_draw.fixed_tiles()
-    return tile_shapes(found, tuple(tiles), fs_draw.tile_reach(tiles)) if tiles else found
+    found = tile_shapes(found, tuple(tiles), fs_draw.tile_reach(tiles)) if tiles else found
+    impl = context.current().impl
+    return runnable_shapes(found, impl, lim["seq"]) if getattr(impl, "supports", None) is not None else found
+
+
+_RUNNABLE: dict = {}
+POWERS = (16, 32, 64, 128, 256)  # the lengths kernels that take only some of them take
+
+
+def runnable_shapes(found: tuple[Shape, ...], impl, top: int) -> tuple[Shape, ...]:
+    """For an implementation that declares ``supports``: the shapes of ``found`` that it runs, and
+    for each relation between the lengths (equal, Sq > Sk, Sk > Sq) that none of those has, the two
+    plainest shapes at powers of two (16 up to the profile's longest) that it runs. A kernel that
+    takes only some lengths (multiples of 64, powers of two) would otherwise be drawn a set it
+    cannot run, and its properties would skip as if it declared nothing they could test."""
+    key = (impl.name, found, top)
+    if key not in _RUNNABLE:
+        runs = [s for s in map(lambda s: _runnable(impl, s), found) if s is not None]
+        extra = []
+        for relation in ("equal_lengths", "masked_rows", "masked_keys"):
+            if any(RELATIONS[relation](s) for s in runs):
+                continue
+            tried = [Shape(1, 1, group, sq, sk, d, d, 16, 16) for n in POWERS for group in (1, 2) for d in (16, 64)
+                     for sq, sk in ((n, n), (2 * n, n), (n, 2 * n)) if max(sq, sk) <= top]
+            fits = [s for s in map(lambda s: _runnable(impl, s), tried) if s is not None and RELATIONS[relation](s)]
+            extra += sorted(set(fits), key=Shape.plainness)[:2]
+        _RUNNABLE[key] = tuple(sorted(set(runs) | set(extra), key=Shape.plainness)) or found
+    return _RUNNABLE[key]
+
+
+def _runnable(impl, shape: Shape) -> Shape | None:
+    """``shape`` as ``impl`` runs it (fitted to its declarations), or None when ``supports`` or a
+    known issue refuses it."""
+    from flashcheck.strategies import draw as fs_draw
+    from flashcheck.strategies.case import AttentionCase
+
+    try:
+        c, _ = fs_draw.supported(impl, AttentionCase(**shape.fields))
+    except ValueError:  # a shape the case itself refuses once fitted
+        return None
+    if c is None or any(issue.applies(c) for issue in impl.known_issues):
+        return None
+    return Shape(c.batch, c.hkv, c.hq // c.hkv, c.sq, c.sk, c.d, c.dv, c.block_q, c.block_k)
 
 
 @functools.lru_cache(maxsize=8)

@@ -85,6 +85,32 @@ def test_a_kernel_with_fixed_tiles_gets_shapes_at_their_boundaries(on, monkeypat
     assert max(s.sk for s in shapes) == 97, "expected two key tiles and one key (past the profile's limit in ci)"
 
 
+def test_a_kernel_that_takes_some_lengths_only_is_drawn_shapes_it_runs(on, monkeypatch):
+    """A kernel taking only lengths in multiples of 64 (jax's cuDNN attention) met a set in which
+    no shape it runs had Sq > Sk or Sk > Sq, and those properties skipped in the gpu lane. Here
+    multiples of 16, which the CPU profiles' lengths reach."""
+    from flashcheck import implementation
+
+    @implementation(name="sixteens", register=False, causal=("bottom_right", "top_left"), gqa=True,
+                    dtypes=("float16",), supports=lambda c: c.sq % 16 == 0 and c.sk % 16 == 0 or "multiples of 16")
+    def attention(q, k, v, *, causal=False, scale=None):
+        return q
+
+    impl = attention.__flashcheck__
+    monkeypatch.setattr(context, "current", lambda: context.Test(impl=impl))
+    shapes = buckets.run_shapes()
+    assert all(s.sq % 16 == 0 and s.sk % 16 == 0 for s in shapes), f"expected only shapes it runs, got {shapes}"
+    for relation in ("equal_lengths", "masked_rows", "masked_keys"):
+        assert any(map(buckets.RELATIONS[relation], shapes)), f"expected a {relation} shape it runs, got {shapes}"
+
+    @SAMPLE
+    @given(fs.cases(masked_rows=True))
+    def drawn(case):
+        assert fs.draw.supported(impl, case)[0] is not None, f"expected a case it runs, drew {case!r}"
+
+    drawn()
+
+
 def test_other_seeds_give_other_sets():
     sets = {buckets.shapes(s, tuple(sorted(LIM.items())), fs.draw.BLOCKS, DIMS) for s in range(5)}
     assert len(sets) == 5, "expected five seeds to give five sets"
