@@ -89,6 +89,9 @@ def pytest_run(args, *, cwd, env, timeout: float) -> subprocess.CompletedProcess
     with tempfile.NamedTemporaryFile(prefix="forked-pytest-", suffix=".log", delete=False) as f:
         out = f.name
     try:
+        # the server imported Hypothesis before pytest could mark its plugin for assertion rewriting:
+        # a warning a fresh process would not print, about a module with no assertions of ours
+        args = ["-W", "ignore::pytest.PytestAssertRewriteWarning", *args]
         server.stdin.write(json.dumps({"args": list(args), "cwd": str(cwd), "env": dict(env), "out": out}) + "\n")
         server.stdin.flush()
         pid = _reply(server, 60)["pid"]
