@@ -10,8 +10,10 @@ flashcheck.impls.<file>, in a checkout and in an install, and nothing generic li
 lands in site-packages beside a kernel repository's own modules.
 """
 __version__ = "0.2.0"
-__all__ = ["AttentionCase", "ContractError", "Implementation", "KnownIssue", "implementation", "load"]
-_FROM = {"AttentionCase": "flashcheck.strategies", **{n: "flashcheck.contract" for n in __all__[1:]}}
+__all__ = ["AttentionCase", "ContractError", "Implementation", "KnownIssue", "implementation", "load",
+           "merge_attention_states"]
+_FROM = {"AttentionCase": "flashcheck.strategies", "merge_attention_states": "flashcheck.merge",
+         **{n: "flashcheck.contract" for n in __all__[1:6]}}
 
 
 def __getattr__(name):
