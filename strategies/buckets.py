@@ -199,7 +199,7 @@ def runnable_shapes(found: tuple[Shape, ...], impl, top: int) -> tuple[Shape, ..
     plainest shapes at powers of two (16 up to the profile's longest) that it runs. A kernel that
     takes only some lengths (multiples of 64, powers of two) would otherwise be drawn a set it
     cannot run, and its properties would skip as if it declared nothing they could test."""
-    key = (impl.name, found, top)
+    key = (id(impl), impl.name, found, top)  # an implementation lives for the whole run
     if key not in _RUNNABLE:
         runs = [s for s in map(lambda s: _runnable(impl, s), found) if s is not None]
         extra = []
