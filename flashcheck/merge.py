@@ -28,35 +28,25 @@ def merge_attention_states(o_a, lse_a, o_b, lse_b):
     """
     _check(o_a, lse_a, o_b, lse_b)
     if type(o_a).__module__.startswith("torch"):
-        return _merge_torch(o_a, lse_a, o_b, lse_b)
-    o_a, lse_a, o_b, lse_b = map(np.asarray, (o_a, lse_a, o_b, lse_b))
-    work = np.float64 if np.float64 in (o_a.dtype, o_b.dtype, lse_a.dtype, lse_b.dtype) else np.float32
-    la, lb = lse_a.astype(work), lse_b.astype(work)
-    m = np.maximum(la, lb)  # NaN stays NaN: a NaN LSE is never merged away
-    empty = m == -np.inf  # -inf on both sides: the row sees no key at all
-    m0 = np.where(empty, 0.0, m)
-    wa, wb = np.exp(la - m0), np.exp(lb - m0)  # at most 1; exp(-inf) = 0 for an empty side
-    total = np.where(empty, 1.0, wa + wb)
-    lse = np.where(empty, -np.inf, m0 + np.log(total)).astype(work)
-    scale = np.where(empty, 0.0, 1.0 / total)
-    o = (wa * scale)[..., None] * o_a.astype(work) + (wb * scale)[..., None] * o_b.astype(work)
-    return o.astype(o_a.dtype), lse
+        import torch as xp
 
-
-def _merge_torch(o_a, lse_a, o_b, lse_b):
-    import torch
-
-    work = torch.float64 if torch.float64 in (o_a.dtype, o_b.dtype, lse_a.dtype, lse_b.dtype) else torch.float32
-    la, lb = lse_a.to(work), lse_b.to(work)
-    m = torch.maximum(la, lb)
-    empty = m == -torch.inf
-    m0 = torch.where(empty, torch.zeros_like(m), m)
-    wa, wb = torch.exp(la - m0), torch.exp(lb - m0)
-    total = torch.where(empty, torch.ones_like(m), wa + wb)
-    lse = torch.where(empty, torch.full_like(m, -torch.inf), m0 + torch.log(total))
-    scale = torch.where(empty, torch.zeros_like(m), 1.0 / total)
-    o = (wa * scale)[..., None] * o_a.to(work) + (wb * scale)[..., None] * o_b.to(work)
-    return o.to(o_a.dtype), lse
+        wide = xp.float64 in (o_a.dtype, o_b.dtype, lse_a.dtype, lse_b.dtype)
+        work, to = (xp.float64 if wide else xp.float32), (lambda x, t: x.to(t))
+    else:
+        xp = np
+        o_a, lse_a, o_b, lse_b = map(np.asarray, (o_a, lse_a, o_b, lse_b))
+        wide = np.float64 in (o_a.dtype, o_b.dtype, lse_a.dtype, lse_b.dtype)
+        work, to = (np.float64 if wide else np.float32), (lambda x, t: x.astype(t))
+    la, lb = to(lse_a, work), to(lse_b, work)
+    m = xp.maximum(la, lb)  # NaN stays NaN: a NaN LSE is never merged away
+    empty = m == -float("inf")  # -inf on both sides: the row sees no key at all
+    m0 = xp.where(empty, 0.0, m)
+    wa, wb = xp.exp(la - m0), xp.exp(lb - m0)  # at most 1; exp(-inf) = 0 for an empty side
+    total = xp.where(empty, 1.0, wa + wb)
+    lse = xp.where(empty, -float("inf"), m0 + xp.log(total))
+    scale = xp.where(empty, 0.0, 1.0 / total)
+    o = (wa * scale)[..., None] * to(o_a, work) + (wb * scale)[..., None] * to(o_b, work)
+    return to(o, o_a.dtype), to(lse, work)
 
 
 def _check(o_a, lse_a, o_b, lse_b):
