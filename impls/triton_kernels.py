@@ -29,9 +29,12 @@ LOG2E_F = 1.4426950408889634  # host-side float
 LOG2E = tl.constexpr(LOG2E_F)   # kernels may read only constexpr globals
 LN2 = tl.constexpr(0.6931471805599453)
 
-# shape-dependent feature offsets: specializing on them (e.g. divisibility by 16) would only multiply
-# the compiled variants of the feature kernels
-FEATURE_INTS = ["LOFF", "DIAG"]
+# Triton compiles a variant per integer argument that is 1 or divisible by 16. Head counts, lengths,
+# head dims and band offsets feed only masks, loop bounds and row indices, where that knowledge buys
+# nothing measurable, so they are left unspecialized: one compiled kernel serves every shape of a
+# (dtype, tiles, flags) combination. Strides stay specialized, since their divisibility is what lets
+# loads vectorize.
+SHAPE_INTS = ["Hq", "Hkv", "G", "Sq", "Sk", "D", "Dv", "OFF", "LOFF", "DIAG"]
 
 
 @triton.jit
@@ -179,7 +182,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, skn, svn, lo, hi, offs_m, Sk, D
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=FEATURE_INTS)
+@triton.jit(do_not_specialize=SHAPE_INTS)
 def attn_fwd(Q, K, V, O, LSE,
              sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som,
              Hq, G, Sq, Sk, D, Dv, OFF, qk_scale, LOFF, DIAG, cap2, SLOPES, ssb, SINKS,
@@ -239,7 +242,7 @@ def attn_fwd(Q, K, V, O, LSE,
 
 # ---------------------------------------------------------------------------------- backward
 
-@triton.jit
+@triton.jit(do_not_specialize=["Hq", "Sq", "Dv"])
 def attn_bwd_preprocess(O, DO, DELTA, sob, soh, som, sdob, sdoh, sdom, Hq, Sq, Dv,
                         BLOCK_M: tl.constexpr, DV_PAD: tl.constexpr, PAD_DV: tl.constexpr):
     """delta[b, h, i] = rowsum(dO * O) in float32."""
@@ -300,7 +303,7 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, LSE, DELTA, row_base, sqm, sdom, 
     return dk, dv
 
 
-@triton.jit(do_not_specialize=FEATURE_INTS)
+@triton.jit(do_not_specialize=SHAPE_INTS)
 def attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV,
                   sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdom,
                   sdkb, sdkh, sdkn, sdvb, sdvh, sdvn,
@@ -384,7 +387,7 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, skn, svn, lo, hi, offs_m, 
     return dq
 
 
-@triton.jit(do_not_specialize=FEATURE_INTS)
+@triton.jit(do_not_specialize=SHAPE_INTS)
 def attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ,
                 sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdom, sdqb, sdqh, sdqm,
                 Hq, G, Sq, Sk, D, Dv, OFF, qk_scale, sm_scale, LOFF, DIAG, cap2, SLOPES, ssb,

@@ -18,11 +18,6 @@ seeds = st.integers(0, 2**16)
 blocks = st.tuples(fs.draw.block_sizes(), fs.draw.block_sizes())
 
 
-def runs_as_is(impl, case) -> bool:
-    """Does ``case`` (derived from a fitted one) lie inside every declaration of ``impl``?"""
-    return fs.draw.supported(impl, case)[0] == case
-
-
 @pytest.mark.requires("non_causal")
 @given(case=fs.cases(causal="none"), perm_seed=seeds)
 @ph.every_dtype_and_regime(causal=False, perm_seed=0)
@@ -75,7 +70,7 @@ def test_batch_and_head_slices_alone_equal_the_batched_result(impl, case, pick):
     budget, _ = orc.allowed(case, "o")
     b, h = pick % case.batch, (pick // 7) % case.hkv
     g = case.hq // case.hkv
-    assume(runs_as_is(impl, case.replace(batch=1, hq=g, hkv=1)))
+    assume(fs.draw.runs_as_is(impl, case.replace(batch=1, hq=g, hkv=1)))
     heads = slice(h * g, (h + 1) * g)
     one = ph.forward(impl, case, q=q[b:b + 1, heads], k=k[b:b + 1, h:h + 1], v=v[b:b + 1, h:h + 1]).o
     orc.compare(case, "o", one, want=full[b:b + 1, heads], budget=2 * budget[b:b + 1, heads],
@@ -91,8 +86,8 @@ def test_two_halves_of_the_keys_merged_by_lse_equal_the_whole(impl, case, cut):
         return
     case = fs.fit(impl, case)
     # both halves must be lengths the implementation declares it runs
-    splits = buckets.split_points([s for s in range(1, case.sk) if runs_as_is(impl, case.replace(sk=s))
-                                   and runs_as_is(impl, case.replace(sk=case.sk - s))])
+    splits = buckets.split_points([s for s in range(1, case.sk) if fs.draw.runs_as_is(impl, case.replace(sk=s))
+                                   and fs.draw.runs_as_is(impl, case.replace(sk=case.sk - s))])
     assume(splits)
     s = splits[cut % len(splits)]
     note(f"keys split at {s}")

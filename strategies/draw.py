@@ -236,6 +236,13 @@ def supported(impl, case: AttentionCase) -> tuple[AttentionCase | None, str | No
     return (c, None) if why is None else (None, why)
 
 
+def runs_as_is(impl, case: AttentionCase) -> bool:
+    """Does ``case`` (one a property derives from a fitted case: half the keys, one head group)
+    lie inside every declaration of ``impl``, and outside its known issues? A sub-call inside a
+    known issue would report a declared failure as a new one."""
+    return supported(impl, case)[0] == case and not any(issue.applies(case) for issue in impl.known_issues)
+
+
 def fit(impl, case: AttentionCase) -> AttentionCase:
     """The nearest case inside what ``impl`` declares it can run; unchanged when it fits.
 
