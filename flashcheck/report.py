@@ -71,6 +71,7 @@ class Failure:
     pin: AttentionCase | None = None  # the pinned @example the case was shrunk from
     entries: Entries | None = None  # what the oracle found, entry by entry, in the comparison that failed
     params: str = ""  # the test's other parameters (e.g. which malformed input)
+    layout: object = None  # the packed batch the case is one sequence of (strategies/varlen.py)
 
     @classmethod
     def of(cls, item, impl, exc: BaseException, pin=None) -> "Failure":
@@ -90,7 +91,8 @@ class Failure:
         params = "-".join(str(v) for k, v in getattr(getattr(item, "callspec", None), "params", {}).items()
                           if k != "impl" and isinstance(v, (str, int, float)))
         return cls(impl, item.name.split("[")[0], case, error, full, pin.pin if pin is not None else None,
-                   entries=mismatch.entries if mismatch is not None else None, params=params)
+                   entries=mismatch.entries if mismatch is not None else None, params=params,
+                   layout=context.current().last_layout)
 
     def render(self, where) -> str:
         impl, err = self.impl, self.error
@@ -105,6 +107,9 @@ class Failure:
                 origin = ("a pinned example, already minimal" if pinned == case_code(self.case, impl)
                           else f"shrunk from the pinned example {pinned}")
             lines.append(f"  case = {case_code(self.case, impl)}  # {origin}, fitted to {impl.name}")
+        if self.layout is not None:
+            lines.append(f"  packed = Packed({case_code(self.layout.case, impl)}, lengths={self.layout.lengths!r})"
+                         "  # the batch it was called in: sequence b is the template at its lengths, seed + b")
         if self.entries is not None:
             lines += _describe(self.entries, self.case, impl)
         else:

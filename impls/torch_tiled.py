@@ -25,7 +25,7 @@ from torch.autograd.function import once_differentiable
 from flashcheck.contract import implementation
 from flashcheck.impls import counter_rng
 from flashcheck.oracle.rounding import DTYPES
-from flashcheck.contract.checks import alignment, check_blocks, check_features, check_inputs, offset
+from flashcheck.contract.checks import alignment, check_blocks, check_features, check_inputs, check_varlen, offset
 
 WHO = "torch-tiled"
 NEG_INF = float("-inf")
@@ -295,3 +295,39 @@ def attention(q, k, v, *, causal=False, scale=None, block_q=256, block_k=256, wi
            "features": dict(align=alignment(causal), scale=scale, window=window, softcap=float(softcap),
                             dropout_p=float(dropout_p), seed=int(dropout_seed))}
     return TiledAttention.apply(q, k, v, sinks, alibi_slopes, cfg)
+
+
+@implementation(name="torch-tiled-varlen", causal=("bottom_right", "top_left"), dtypes=DTYPES, devices=("cpu", "cuda"),
+                backward=True, gqa=True, lse=True, framework="torch", blocks="any", varlen=True,
+                window=True, softcap=True, alibi=True, sinks=True)
+def varlen_attention(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False, scale=None,
+                     block_q=256, block_k=256, window=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None):
+    """torch-tiled over a packed batch (flashcheck/contract/packed.py), one sequence at a time:
+    q (Tq, Hq, D), k (Tk, Hkv, D), v (Tk, Hkv, Dv) -> o (Tq, Hq, Dv), lse (Hq, Tq).
+
+    A query row of a sequence with no key gives O = 0 and LSE = -inf; alibi_slopes may be (Hq,) or
+    one row per sequence (B, Hq)."""
+    _check_devices(q, k, v)
+    cu_q, cu_k = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dtypes=DTYPES,
+                              who="torch-tiled-varlen")
+    n, hq, dv = len(cu_q) - 1, q.shape[1], v.shape[-1]
+    if alibi_slopes is not None and alibi_slopes.ndim == 2 and alibi_slopes.shape[0] != n:
+        raise ValueError(f"torch-tiled-varlen: alibi_slopes must have shape ({hq},) or ({n}, {hq}), "
+                         f"got {tuple(alibi_slopes.shape)}")
+    os_, lses = [], []
+    for b in range(n):
+        qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        rows = cu_q[b + 1] - cu_q[b]
+        if rows == 0:
+            continue
+        if cu_k[b + 1] == cu_k[b]:  # no key: every row is empty (0 * q keeps q in the graph)
+            os_.append(q.new_zeros((rows, hq, dv)) + 0 * q[qs, :, :1].sum())
+            lses.append(torch.full((hq, rows), NEG_INF, dtype=_compute_dtype(q.dtype), device=q.device))
+            continue
+        slopes = alibi_slopes[b] if alibi_slopes is not None and alibi_slopes.ndim == 2 else alibi_slopes
+        o, lse = attention(*(x[s].transpose(0, 1).unsqueeze(0).contiguous() for x, s in ((q, qs), (k, ks), (v, ks))),
+                           causal=causal, scale=scale, block_q=block_q, block_k=block_k, window=window,
+                           softcap=softcap, alibi_slopes=slopes, sinks=sinks)
+        os_.append(o[0].transpose(0, 1))
+        lses.append(lse[0])
+    return torch.cat(os_, 0), torch.cat(lses, 1)

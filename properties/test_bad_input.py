@@ -11,7 +11,7 @@ from flashcheck import strategies as fs
 from flashcheck.contract import call
 from flashcheck.strategies import AttentionCase as Case
 
-pytestmark = [pytest.mark.properties, pytest.mark.input_validation]
+pytestmark = [pytest.mark.properties, pytest.mark.input_validation, pytest.mark.requires("dense")]
 
 # Our own implementations must also say what is wrong; external ones must at least refuse.
 OWN = ("numpy-dense", "numpy-tiled", "torch-tiled", "triton-fused")

@@ -239,6 +239,7 @@ MALFORMED = [  # (feature, keyword, bad value: a callable of (framework array ma
 ]
 
 
+@pytest.mark.requires("dense")
 @pytest.mark.parametrize("feature, keyword, bad", MALFORMED, ids=[f"{k}-{i}" for i, (_, k, _) in enumerate(MALFORMED)])
 def test_a_malformed_feature_argument_raises_an_error_naming_it(impl, feature, keyword, bad):
     if not getattr(impl, feature):

@@ -21,6 +21,7 @@ class Test:
     generated_from: float | None = None  # time.monotonic() of the first generated case fitted
     first_pass: object = False  # True in the plugin's first pass (flashcheck/firstpass.py), then the pin it ran
     last_fitted: tuple | None = None  # (impl, case) of the latest fit: the case a failure report shows
+    last_layout: object = None  # the packed batch (strategies/varlen.py) the latest fitted case belongs to
     last_refusal: str | None = None  # why the latest case was rejected: shown when no case fits at all
     pin_reports: list[str] = field(default_factory=list)  # pins refitted or not run, reported after the test
 

@@ -77,6 +77,8 @@ class Implementation:
     supports: Callable | None = None  # case -> True, or False / a reason string when it cannot run it
     scale_arg: bool = True  # False: the function takes no scale= and always uses 1/sqrt(D)
     deterministic: bool = False  # repeated calls on one input are bitwise identical (checked)
+    # Layouts (docs/features.md): a kernel that declares one is called only in it.
+    varlen: bool = False  # packed sequences: f(q (Tq, Hq, D), k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ...)
 
     def __post_init__(self):
         _validate(self)
@@ -211,7 +213,10 @@ def _validate(i: Implementation) -> None:
         raise ContractError(f"implementation {name!r}: dropout_mask must be a callable (q, k, v, p, seed) -> "
                             "bool mask, declared together with dropout=True")
     put("tags", tuple(i.tags))
-    for flag in ("causal_only", "scale_arg", "deterministic"):
+    if i.varlen and i.framework != "torch":
+        raise ContractError(f"implementation {name!r}: varlen=True needs framework='torch' (cu_seqlens are int32 "
+                            "tensors on q's device)")
+    for flag in ("causal_only", "scale_arg", "deterministic", "varlen"):
         put(flag, bool(getattr(i, flag)))
 
 

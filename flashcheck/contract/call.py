@@ -74,7 +74,13 @@ def _split(impl, out, name):
     return out, None
 
 
-def _check_returned(impl, q, v, o, lse):
+def dense_shapes(q, v) -> dict:
+    """What a dense kernel returns: {result: (shape, layout in words)}."""
+    b, hq, sq = q.shape[:3]
+    return {"o": ((b, hq, sq, v.shape[-1]), "(B, Hq, Sq, Dv)"), "lse": ((b, hq, sq), "(B, Hq, Sq)")}
+
+
+def _check_returned(impl, shapes, o, lse):
     """One clear line for a result of the wrong kind or shape, before any property uses it."""
     want = "numpy.ndarray" if impl.framework == "numpy" else "torch.Tensor"
     for label, x in (("o", o), ("lse", lse)):
@@ -87,12 +93,11 @@ def _check_returned(impl, q, v, o, lse):
                     else " (a torch kernel declares framework='torch', the default)" if kind.startswith("torch.")
                     else "")
             raise ContractViolation(f"{impl.name} returned {label} as {kind}, expected {want}{hint}")
-    shapes = {"o": tuple(q.shape[:3]) + tuple(v.shape[-1:]), "lse": tuple(q.shape[:3])}
     for label, x in (("o", o), ("lse", lse)):
-        if x is not None and tuple(x.shape) != shapes[label]:
-            layout = "(B, Hq, Sq, Dv)" if label == "o" else "(B, Hq, Sq)"
+        shape, layout = shapes[label]
+        if x is not None and tuple(x.shape) != tuple(shape):
             raise ContractViolation(f"{impl.name} returned {label} of shape {tuple(x.shape)}, expected "
-                                    f"{layout} = {shapes[label]}")
+                                    f"{layout} = {tuple(shape)}")
 
 
 def _call(impl, case, *args, **kw):
@@ -134,15 +139,20 @@ def run(impl: Implementation, case, q, k, v, do=None, *, device=None, path=None)
     """Run forward (and backward through dO when given) on float64 arrays holding case.dtype values.
 
     ``path`` (a key of PATHS) picks how a torch kernel is called; by default the inputs need
-    gradients exactly when dO is given."""
+    gradients exactly when dO is given. A kernel that declares a layout (varlen) is called in it:
+    the dense batch is packed, and its results unpacked (flashcheck/contract/packed.py)."""
     if path not in (None, *PATHS) or (path not in (None, "autograd") and do is not None):
         raise ValueError(f"path {path!r}: expected one of {tuple(PATHS)}, and dO only on the autograd path")
     device = device or device_for(impl)
+    if impl.varlen:
+        from flashcheck.contract import packed
+
+        return packed.run_dense(impl, case, q, k, v, do, device=device, path=path)
     if impl.framework == "numpy":
         kw = kwargs_for(impl, case)
         qn, kn, vn = (x.astype(case.dtype) for x in (q, k, v))
         o, lse = _split(impl, _call(impl, case, qn, kn, vn, **kw), impl.name)
-        _check_returned(impl, q, v, o, lse)
+        _check_returned(impl, dense_shapes(q, v), o, lse)
         res = Result(np.asarray(o, np.float64), None if lse is None else np.asarray(lse, np.float64),
                      dtype=str(np.asarray(o).dtype), lse_dtype="" if lse is None else str(np.asarray(lse).dtype))
         if do is not None:
@@ -154,7 +164,12 @@ def run(impl: Implementation, case, q, k, v, do=None, *, device=None, path=None)
             res.dq, res.dk, res.dv = (np.asarray(g, np.float64) for g in grads[:3])
         res.inputs_after = tuple(np.asarray(x, np.float64) for x in (qn, kn, vn))
         return res
+    return run_torch(impl, case, q, k, v, do, device=device, path=path, shapes=dense_shapes(q, v))
 
+
+def run_torch(impl, case, q, k, v, do, *, device, path, shapes, layout_kw=None) -> Result:
+    """The torch call: q, k, v (and dO) as case.dtype tensors on ``device``, ``layout_kw(torch,
+    device)`` the layout's own keywords (cu_seqlens, ...), the results checked against ``shapes``."""
     import torch
 
     dt = getattr(torch, case.dtype)
@@ -163,13 +178,14 @@ def run(impl: Implementation, case, q, k, v, do=None, *, device=None, path=None)
     grad = do is not None or path == "autograd"
     qt, kt, vt = (torch.tensor(x).to(device=device, dtype=dt).requires_grad_(grad) for x in (q, k, v))
     kw = kwargs_for(impl, case, tensor=lambda a: torch.from_numpy(a).to(device))
+    kw.update(layout_kw(torch, device) if layout_kw else {})
     sinks = kw.get("sinks")
     if sinks is not None:
         sinks.requires_grad_(grad)
     with _grad_mode(path):
         out = _call(impl, case, qt, kt, vt, **kw)
     o, lse = _split(impl, out, impl.name)
-    _check_returned(impl, q, v, o, lse)
+    _check_returned(impl, shapes, o, lse)
     res = Result(_np(o), None if lse is None else _np(lse), dtype=str(o.dtype).removeprefix("torch."),
                  lse_dtype="" if lse is None else str(lse.dtype).removeprefix("torch."))
     if do is not None:

@@ -62,6 +62,10 @@ CAPABILITIES = {
     "masked": _masked,
     "independent": _independent,
     "float64": lambda i: None if "float64" in i.dtypes else f"{i.name} does not declare float64",
+    "varlen": lambda i: None if i.varlen else f"{i.name} does not declare varlen=True (packed sequences)",
+    # tests that call the kernel directly with malformed dense tensors; a layout has its own
+    "dense": lambda i: f"{i.name} takes packed sequences (varlen=True): properties/test_varlen.py checks its "
+    "input validation" if i.varlen else None,
     # the feature matrix (docs/features.md)
     **{f: (lambda f: lambda i: None if getattr(i, f) else f"{i.name} does not declare {f}=True")(f)
        for f in feature_table.NAMES},

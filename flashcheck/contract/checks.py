@@ -1,7 +1,8 @@
 """Input validation shared by every built-in implementation: bad input is named, never computed."""
 from __future__ import annotations
 
-__all__ = ["alignment", "check_blocks", "check_features", "check_inputs", "check_tensors", "dtype_name", "offset"]
+__all__ = ["alignment", "check_blocks", "check_features", "check_inputs", "check_tensors", "check_varlen", "dtype_name",
+           "offset"]
 
 
 def dtype_name(x) -> str:
@@ -47,6 +48,37 @@ def check_inputs(q, k, v, *, dtypes, who: str):
         raise ValueError(f"{who}: every dimension must be >= 1, got q {tuple(q.shape)}, k {tuple(k.shape)}, "
                          f"v {tuple(v.shape)}")
     return b, hq, hkv, sq, sk, d, dv
+
+
+def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, dtypes, who: str):
+    """Validate a packed batch (flashcheck/contract/packed.py): q (Tq, Hq, D), k (Tk, Hkv, D), v (Tk, Hkv, Dv),
+    int32 offsets on q's device from 0 to Tq and Tk. Returns the offsets as two lists of Python ints."""
+    import torch
+
+    for label, x in (("q", q), ("k", k), ("v", v)):
+        if getattr(x, "ndim", None) != 3:
+            raise ValueError(f"{who}: {label} must have rank 3 (tokens, heads, dim) in a packed batch, "
+                             f"got shape {tuple(getattr(x, 'shape', ()))}")
+    # the dense checks on a batch of one, tokens as its sequence
+    check_inputs(*(x.unsqueeze(0).transpose(1, 2) for x in (q, k, v)), dtypes=dtypes, who=who)
+    cu = []
+    for label, c, total in (("cu_seqlens_q", cu_seqlens_q, q.shape[0]), ("cu_seqlens_k", cu_seqlens_k, k.shape[0])):
+        if not isinstance(c, torch.Tensor) or c.dtype != torch.int32 or c.ndim != 1 or c.numel() < 2:
+            raise TypeError(f"{who}: {label} must be a 1-D int32 tensor of B + 1 offsets, got "
+                            f"{getattr(c, 'dtype', type(c).__name__)} of shape {tuple(getattr(c, 'shape', ()))}")
+        if c.device != q.device:
+            raise ValueError(f"{who}: {label} is on {c.device}, q on {q.device}")
+        values = c.tolist()
+        if values[0] != 0 or values[-1] != total or any(b < a for a, b in zip(values, values[1:])):
+            raise ValueError(f"{who}: {label} must rise from 0 to {total} (the packed tokens), got {values}")
+        cu.append(values)
+    if len(cu[0]) != len(cu[1]):
+        raise ValueError(f"{who}: cu_seqlens_q holds {len(cu[0]) - 1} sequences, cu_seqlens_k {len(cu[1]) - 1}")
+    for label, top, c in (("max_seqlen_q", max_seqlen_q, cu[0]), ("max_seqlen_k", max_seqlen_k, cu[1])):
+        longest = max(b - a for a, b in zip(c, c[1:]))
+        if not isinstance(top, int) or top < longest:
+            raise ValueError(f"{who}: {label} must be an int >= the longest sequence ({longest}), got {top!r}")
+    return cu[0], cu[1]
 
 
 def check_blocks(block_q, block_k, *, who: str):
