@@ -88,19 +88,39 @@ class _Parts:
     psink: np.ndarray | None  # the sink's share of each row's softmax, where the case has sinks
 
 
+def _cached(maxsize: int, *, precision: bool = True):
+    """lru_cache keyed on the case without what the result does not read: the block sizes (no bound
+    depends on a tiling), and for the float64 truth and its parts the precision too. So every kernel
+    and tiling of one problem in a process shares one truth (CI groups each property's kernels on
+    one worker), and a long pin's truth is computed once, not per kernel."""
+    drop = {"block_q": 16, "block_k": 16} | ({} if precision else {"precision": "fused"})
+
+    def wrap(fn):
+        cached = functools.lru_cache(maxsize=maxsize)(fn)
+
+        @functools.wraps(fn)
+        def keyed(case, *args):
+            return cached(case.replace(**drop), *args)
+
+        keyed.cache_clear = cached.cache_clear
+        return keyed
+
+    return wrap
+
+
 def _group(case, x):
     """(B, Hq, ...) -> (B, Hkv, G, ...), the layout in which kv heads broadcast."""
     return x.reshape((case.batch, case.hkv, case.hq // case.hkv) + x.shape[2:])
 
 
-@functools.lru_cache(maxsize=32)
+@_cached(32, precision=False)
 def _probs(case: AttentionCase):
     """The reference's softmax probabilities, computed once for the parts and the truth."""
     q, k, v, _ = case.inputs()
     return reference.dense_probs(q, k, v, who="oracle", **case.reference_kwargs())
 
 
-@functools.lru_cache(maxsize=32)
+@_cached(32, precision=False)
 def _parts(case: AttentionCase) -> _Parts:
     _, _, _, do = case.inputs()
     p, lse, (qg, kg, vg, sc, _), extra = _probs(case)
@@ -108,7 +128,7 @@ def _parts(case: AttentionCase) -> _Parts:
     return _Parts(qg, kg, vg, _group(case, do), s, p, p @ vg, lse, sc, extra["psink"])
 
 
-@functools.lru_cache(maxsize=32)
+@_cached(32, precision=False)
 def _dscores(case: AttentionCase):
     """(dP, dP - D, dS = P (dP - D)) in float64, grouped as _parts: the bounds and the bias check share them."""
     pt = _parts(case)
@@ -117,7 +137,7 @@ def _dscores(case: AttentionCase):
     return dp, dp_minus_d, pt.p * dp_minus_d
 
 
-@functools.lru_cache(maxsize=32)
+@_cached(256, precision=False)  # small: O(S D) per case
 def truth(case: AttentionCase) -> Truth:
     """Dense float64 attention and its analytic gradients on the case's inputs."""
     q, k, v, do = case.inputs()
@@ -128,7 +148,7 @@ def truth(case: AttentionCase) -> Truth:
     return Truth(o, lse, dq, dk, dv, dsinks[0] if dsinks else None, logit_max)
 
 
-@functools.lru_cache(maxsize=32)
+@_cached(32)
 def model(case: AttentionCase) -> dict:
     """What a correct fused kernel of the case's dtype and precision returns (rounding.py)."""
     q, k, v, do = case.inputs()
@@ -182,14 +202,14 @@ def _swap(x):
     return np.swapaxes(x, -1, -2)
 
 
-@functools.lru_cache(maxsize=32)
+@_cached(32)
 def _rounding_bounds(case: AttentionCase) -> dict:
     """The rounding terms of the rule (module doc, bounds.py), per entry, for every result."""
     with np.errstate(over="ignore"):  # squares of heavy-tailed float32 terms: an infinite variance is honest
         return bounds.rounding_bounds(case, _parts(case), _dscores(case), half_spacing)
 
 
-@functools.lru_cache(maxsize=32)
+@_cached(32)
 def _naive_allowed(case: AttentionCase) -> dict:
     """The rule for precision="naive": k x the error of plain dense attention in t, plus a floor of
     8 (eps(acc)(1 + L) + eps(t)) M, where M is the size of the sum in absolute values."""
@@ -214,7 +234,7 @@ def _naive_allowed(case: AttentionCase) -> dict:
     return out
 
 
-@functools.lru_cache(maxsize=64)  # compare, the bias check and the report all ask: computed once
+@_cached(64)  # compare, the bias check and the report all ask: computed once
 def allowed(case: AttentionCase, name: str) -> tuple[np.ndarray, float]:
     """(allowed error per entry, the rounding model's largest error) for result ``name``."""
     t = truth(case)
@@ -404,7 +424,7 @@ def _scaled_ds_subnormal(case) -> bool:
     return ds.size > 0 and float(np.median(ds)) < 2.0 ** -14
 
 
-@functools.lru_cache(maxsize=64)
+@_cached(64)
 def _own_bias(case, name):
     """The rounding model's own bias against the truth (what a correct kernel may carry)."""
     return bias(case, name, model(case)[name], truth(case)[name])
