@@ -239,13 +239,7 @@ def pytest_generate_tests(metafunc):
     if state is None or "impl" not in metafunc.fixturenames:
         return
     needs = [n for m in metafunc.definition.iter_markers("requires") for n in m.args]
-    # Under xdist's loadgroup, one worker runs a property on every kernel, so the float64 truths of the
-    # cases they share (the pins, the long ones above all) are computed once. The interpreter lane's
-    # kernels are slow enough to balance on their own.
-    group = pytest.mark.xdist_group(f"property-{metafunc.definition.originalname}")
-    metafunc.parametrize("impl", [pytest.param(i, id=i.name, marks=_marks(i, needs)
-                                               + ([] if "interpreter" in i.tags else [group]))
-                                  for i in state.impls])
+    metafunc.parametrize("impl", [pytest.param(i, id=i.name, marks=_marks(i, needs)) for i in state.impls])
 
 
 def _in_suite(item, state) -> bool:

@@ -297,11 +297,13 @@ def attention(q, k, v, *, causal=False, scale=None, block_q=256, block_k=256, wi
     return TiledAttention.apply(q, k, v, sinks, alibi_slopes, cfg)
 
 
+# Its tiles are its own, as a packed kernel's are: tile bugs are torch-tiled's, drawn there, and
+# its default 256 x 256 tiles keep its CPU run cheap.
 @implementation(name="torch-tiled-varlen", causal=("bottom_right", "top_left"), dtypes=DTYPES, devices=("cpu", "cuda"),
-                backward=True, gqa=True, lse=True, framework="torch", blocks="any", varlen=True,
+                backward=True, gqa=True, lse=True, framework="torch", varlen=True,
                 window=True, softcap=True, alibi=True, sinks=True)
 def varlen_attention(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False, scale=None,
-                     block_q=256, block_k=256, window=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None):
+                     window=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None):
     """torch-tiled over a packed batch (flashcheck/contract/packed.py), one sequence at a time:
     q (Tq, Hq, D), k (Tk, Hkv, D), v (Tk, Hkv, Dv) -> o (Tq, Hq, Dv), lse (Hq, Tq).
 
@@ -326,7 +328,7 @@ def varlen_attention(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
             continue
         slopes = alibi_slopes[b] if alibi_slopes is not None and alibi_slopes.ndim == 2 else alibi_slopes
         o, lse = attention(*(x[s].transpose(0, 1).unsqueeze(0).contiguous() for x, s in ((q, qs), (k, ks), (v, ks))),
-                           causal=causal, scale=scale, block_q=block_q, block_k=block_k, window=window,
+                           causal=causal, scale=scale, window=window,
                            softcap=softcap, alibi_slopes=slopes, sinks=sinks)
         os_.append(o[0].transpose(0, 1))
         lses.append(lse[0])

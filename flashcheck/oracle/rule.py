@@ -91,8 +91,7 @@ class _Parts:
 def _cached(maxsize: int, *, precision: bool = True):
     """lru_cache keyed on the case without what the result does not read: the block sizes (no bound
     depends on a tiling), and for the float64 truth and its parts the precision too. So every kernel
-    and tiling of one problem in a process shares one truth (CI groups each property's kernels on
-    one worker), and a long pin's truth is computed once, not per kernel."""
+    and tiling of one problem in a process shares one truth."""
     drop = {"block_q": 16, "block_k": 16} | ({} if precision else {"precision": "fused"})
 
     def wrap(fn):
