@@ -136,14 +136,20 @@ def _mask_mod(sq, sk, align, window, device):
     return mask
 
 
-def _score_mod(sq, sk, softcap, slopes, device, dtype):
-    # The softcap is a tensor too: under dynamic shapes a captured Python float becomes a symbolic
-    # input that inductor's FlexAttention lowering rejects (torch 2.13: "LoweringException:
-    # unbacked_bindings"); the ALiBi distance's offset is one for the reason in _mask_mod.
+def _score_mod(sq, sk, scale, softcap, slopes, device, dtype):
+    # Every number is a tensor: a Python float passed to a compiled flex_attention (its scale=) is
+    # a guard on its value, i.e. one graph per drawn scale, and the suite draws scales freely (on an
+    # H200 compiling was 90% of flex's lane time). So flex runs at scale 1 and the scale is applied
+    # here, to the same float32 product of q and k its kernel would scale. The softcap is a tensor
+    # too: under dynamic shapes a captured float is a symbolic input inductor's lowering rejects
+    # (torch 2.13: "LoweringException: unbacked_bindings"); the ALiBi distance's offset is one for
+    # the reason in _mask_mod.
+    scale = torch.tensor(scale, dtype=dtype, device=device)
     cap = torch.tensor(softcap, dtype=dtype, device=device) if softcap else None
     diag = None if slopes is None else torch.tensor(sk - sq, dtype=torch.int32, device=device)
 
     def score(s, b, h, i, j):
+        s = s * scale
         if cap is not None:
             s = cap * torch.tanh(s / cap)
         if slopes is not None:
@@ -188,12 +194,12 @@ def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0
         mask = None
     cdt = torch.float64 if q.dtype == torch.float64 else torch.float32  # the dtype flex computes scores in
     slopes = None if alibi_slopes is None else alibi_slopes.to(cdt).expand(b, hq)
-    mod = _score_mod(sq, sk, float(softcap), slopes, q.device, cdt) if softcap or slopes is not None else None
+    scale = d ** -0.5 if scale is None else float(scale)
+    mod = _score_mod(sq, sk, scale, float(softcap), slopes, q.device, cdt)
     if sinks is not None and q.dtype in (torch.float16, torch.bfloat16):
         # the sink rescales O after flex: from a half-precision O that would round it twice
         q, k, v = (x.float() for x in (q, k, v))
-    o, lse = _flex(q, k, v, score_mod=mod, block_mask=mask, scale=None if scale is None else float(scale),
-                   enable_gqa=hq != hkv)
+    o, lse = _flex(q, k, v, score_mod=mod, block_mask=mask, scale=1.0, enable_gqa=hq != hkv)
     if sinks is not None:
         sink = sinks.to(lse.dtype)[None, :, None]
         total = torch.logaddexp(lse, sink)
