@@ -59,6 +59,20 @@ def test_compiled_flex_runs_compiled_for_more_shapes_than_dynamo_s_default_recom
     assert guard.compiles == len(SHAPES), f"expected a graph per length ({len(SHAPES)}), got {guard.compiles}"
 
 
+def test_a_new_scale_or_softcap_value_compiles_no_new_graph(monkeypatch):
+    """The suite draws scales and softcaps freely: captured as Python floats, each value was a dynamo
+    guard and a graph of its own, so compiled flex recompiled on nearly every example."""
+    if flex._CUDA:
+        pytest.skip("on CUDA every flex property runs through the guard, compiled by inductor")
+    guard = flex.Compiled(flex.flex_attention, backend="eager")
+    monkeypatch.setattr(flex, "_runner", lambda q: guard)
+    impl = flex.attention.__flashcheck__
+    for scale, softcap in [(0.1, 2.0), (0.7, 3.0), (None, 0.5), (0.0, 40.0)]:
+        case = Case(hq=2, sq=5, sk=6, d=4, dv=4, scale=scale, softcap=softcap, dtype="float32")
+        orc.compare(case, "o", ph.forward(impl, case).o, who="compiled flex")
+    assert guard.compiles == 1, f"expected one graph for four scales and softcaps, got {guard.compiles}"
+
+
 def test_a_call_that_runs_no_compiled_graph_raises_instead_of_returning_eager_results():
     guard = flex.Compiled(lambda x: x + 1, backend="eager")
     assert guard(torch.ones(3)).tolist() == [2.0] * 3 and guard.runs == 1
@@ -96,8 +110,8 @@ def test_inductor_compiles_every_mask_and_score_the_built_in_captures():
         q, k, v = torch.randn(1, 2, sq, 16), torch.randn(1, 2, sk, 16), torch.randn(1, 2, sk, 16)
         mask = flex.create_block_mask(flex._mask_mod(sq, sk, "bottom_right", window, "cpu"), None, None, sq, sk,
                                       device="cpu")
-        mod = flex._score_mod(sq, sk, cap, alibi, "cpu", torch.float32) if cap or alibi is not None else None
+        mod = flex._score_mod(sq, sk, 0.5, cap, alibi, "cpu", torch.float32)
         with torch.no_grad():
-            got = guard(q, k, v, block_mask=mask, score_mod=mod, scale=0.5)
-            want = flex.flex_attention(q, k, v, block_mask=mask, score_mod=mod, scale=0.5)
+            got = guard(q, k, v, block_mask=mask, score_mod=mod, scale=1.0)
+            want = flex.flex_attention(q, k, v, block_mask=mask, score_mod=mod, scale=1.0)
         assert torch.allclose(got, want, atol=1e-5), f"compiled and eager flex differ at Sq={sq}, Sk={sk}"
