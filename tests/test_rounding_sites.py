@@ -23,10 +23,12 @@ VARIANTS = [
     ("q*scale rounded to t", Sites(prescaled="q"), False),
     ("k*scale*log2e rounded to t, exp2", Sites(prescaled="k"), False),
     ("dS rounded after the scale", Sites(ds_scaled=True), False),
+    ("each head's dK, dV rounded, then the group summed", Sites(heads_rounded=True), False),
     ("TF32 to nearest", Sites(), True),
     ("TF32 by truncation", Sites(tf32_truncate=True), True),
     ("TF32 truncated, P normalized first (XLA)", Sites(tf32_truncate=True, p_normalized=True), True),
-    ("every site", Sites(tf32_truncate=True, p_normalized=True, dp_rounded=True, prescaled="k", ds_scaled=True), True),
+    ("every site", Sites(tf32_truncate=True, p_normalized=True, dp_rounded=True, prescaled="k", ds_scaled=True,
+                          heads_rounded=True), True),
 ]
 
 
@@ -87,7 +89,11 @@ def test_every_rounding_site_passes_on_long_rows(dtype):
     # equal keys: dQ cancels to 1e-14 and its sign is noise; the old bias check fired by -9e13 ulps
     (Case(hq=2, sq=1286, sk=1286, d=8, dv=8, scale=30.0, dtype="bfloat16", regime="equal", seed=5939),
      Sites(dp_rounded=True), False, "dP rounded to t"),
-], ids=["tf32-truncation", "xla-normalized-p", "bias-on-cancelled-truth"])
+    # SDPA flash (H200, GQA 12/3): a key seen by one row of each of four heads, P ~ 1e-6, each head's dV
+    # rounded among fp16's subnormals (half a spacing, 3e-8, each), then summed: dV 1.005x the old bound
+    (Case(hq=12, hkv=3, sq=33, sk=33, d=6, dv=6, causal="top_left", dtype="float16", regime="dominant",
+          seed=53687666), Sites(heads_rounded=True), False, "each head's dK, dV rounded, then the group summed"),
+], ids=["tf32-truncation", "xla-normalized-p", "bias-on-cancelled-truth", "gqa-heads-among-subnormals"])
 def test_false_alarms_seen_on_real_kernels_are_admitted(case, sites, tf32, what):
     assert_admitted(case, sites, tf32, what)
 

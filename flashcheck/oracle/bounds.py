@@ -246,8 +246,11 @@ def _dv(s: Scores, u: Units):
     if u.tr:
         coh = coh + _trunc_mean((_swap(p) @ s.do).sum(2), pdo.sum(2), u.tr)
     dv = _bound((_swap(s.w) @ s.ado).sum(2), (_swap(s.w2_rest + s.w2_p * s.n_col) @ (s.ado * s.ado)).sum(2), coh)
-    if s.q.shape[2] > 1:  # GQA: FlashAttention-2 rounds each query head's dV to t, then sums the group
-        dv = dv + u.p * np.abs(_swap(p) @ s.do).sum(2)
+    if s.q.shape[2] > 1:  # GQA: FlashAttention-2 rounds each query head's dV to t, then sums the group;
+        # each head's dV that lies among fp16's subnormals errs by up to half their spacing, not u |dV|
+        # (SDPA flash on an H200: a key seen by one row per head, P ~ 1e-6, four heads)
+        heads = (pdo > 0).sum(2)
+        dv = dv + u.p * np.abs(_swap(p) @ s.do).sum(2) + u.sub * heads
     return dv
 
 
@@ -346,7 +349,8 @@ def _dk(s: Scores, g: DScores, u: Units):
     dk = s.sc * _bound((_swap(g.eta + pd + g.sub_sc) @ aq).sum(2) + q_sub[0],
                        (_swap(g.eta2 + pd2 + g.sub_sc * g.sub_sc / 3) @ (aq * aq)).sum(2) + q_sub[1], coh)
     if s.q.shape[2] > 1:  # GQA: FlashAttention-2 rounds each query head's dK to t, then sums the group
-        dk = dk + u.p * s.sc * np.abs(_swap(g.ds) @ s.q).sum(2)
+        heads = ((_swap(g.a_ds) @ aq) > 0).sum(2)  # (as in _dv: fp16 subnormals err absolutely)
+        dk = dk + u.p * s.sc * np.abs(_swap(g.ds) @ s.q).sum(2) + u.sub * heads
     return dk
 
 

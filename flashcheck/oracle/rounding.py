@@ -15,6 +15,7 @@ each one, either always or under a declared precision:
 | site | admitted by |
 |---|---|
 | dS rounded after it is multiplied by the scale | always |
+| with GQA, each query head's dK and dV rounded to the input type, then summed over the group (FlashAttention-2, SDPA flash) | always |
 | TF32 operands rounded to nearest (JAX Pallas) or by truncation (Triton's dots on an H200) | "tf32" |
 | P divided by its row sum before it is rounded, dP rounded to the input type (dense attention with a float32 softmax and its autodiff: XLA) | "dense" |
 | q * scale, or k * scale * log2(e), rounded to the input type before QK^T (Triton's tutorial) | "prescaled" |
@@ -105,6 +106,7 @@ class Sites:
     dp_rounded: bool = False  # dP = dO V^T rounded to the input type
     prescaled: str | None = None  # "q": q * scale rounded to t; "k": k * scale * log2(e), base-2 softmax
     ds_scaled: bool = False  # dS * scale rounded, not dS
+    heads_rounded: bool = False  # GQA: each query head's dK, dV rounded to t before the group's sum
 
     def admitted_by(self, dtype: str) -> str:
         """The smallest precision whose rule admits these sites for inputs of ``dtype``."""
@@ -164,7 +166,8 @@ def fused(q, k, v, do, visible, scale: float, pr: Precision, sites: Sites = Site
     # Backward: P from the LSE in the accumulation type; D from the O the kernel returned.
     shift = np.where(np.isfinite(lse_b), lse_b, np.inf)[..., None].astype(acc)
     p = exp(s - shift)
-    dv = (np.swapaxes(rp(p), -1, -2) @ dog).sum(axis=2, dtype=acc)
+    group = (lambda x: rt(x).sum(axis=2, dtype=acc)) if sites.heads_rounded else (lambda x: x.sum(axis=2, dtype=acc))
+    dv = group(np.swapaxes(rp(p), -1, -2) @ dog)
     dp = dog @ np.swapaxes(vg, -1, -2)
     if sites.dp_rounded:
         dp = rt(dp)
@@ -180,9 +183,9 @@ def fused(q, k, v, do, visible, scale: float, pr: Precision, sites: Sites = Site
         dq = (rp(ds) @ kg) * q_sc
     q_for_dk = qs if sites.prescaled == "q" else qg
     if sites.ds_scaled and sites.prescaled != "q":
-        dk = (np.swapaxes(rp(ds * sc), -1, -2) @ q_for_dk).sum(axis=2, dtype=acc)
+        dk = group(np.swapaxes(rp(ds * sc), -1, -2) @ q_for_dk)
     else:
-        dk = (np.swapaxes(rp(ds), -1, -2) @ q_for_dk).sum(axis=2, dtype=acc) * k_sc
+        dk = group((np.swapaxes(rp(ds), -1, -2) @ q_for_dk) * k_sc)
     out = lambda x: round_to(x, pr.out_fmt).astype(np.float64)  # noqa: E731
     lse = lse_b.astype(np.float64) * float(base)
     return {"o": out(o_t.reshape(b, hq, sq, -1)), "lse": lse.reshape(b, hq, sq),
