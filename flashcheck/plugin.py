@@ -357,6 +357,7 @@ def pytest_runtest_setup(item):
                                             if isinstance(v, AttentionCase)),
                   coverage=getattr(test, "flashcheck_coverage", frozenset()),
                   budget=_seconds(seconds) if seconds and impl is not None else None)
+    item.flashcheck_unwatch = context.watch_failures(getattr(item, "obj", None))
     PerImplementation.current = key_of(impl) if impl is not None and _state(item.config) else None
 
 
@@ -375,6 +376,7 @@ def pytest_runtest_teardown(item):
     from flashcheck.strategies import context
 
     PerImplementation.current = None
+    getattr(item, "flashcheck_unwatch", lambda: None)()
     context.end()
 
 

@@ -9,6 +9,7 @@ its own per-test state; outside a test there is a fresh one with nothing set.
 from __future__ import annotations
 
 import contextvars
+import functools
 from dataclasses import dataclass, field
 
 
@@ -19,6 +20,7 @@ class Test:
     coverage: frozenset = frozenset()  # those written to cover a (dtype, regime) pair: refitting is their job
     budget: float | None = None  # seconds of generated cases, counted from the first one (pins never spend it)
     generated_from: float | None = None  # time.monotonic() of the first generated case fitted
+    failed: bool = False  # a case raised: Hypothesis now replays and shrinks it, which the budget never refuses
     first_pass: object = False  # True in the plugin's first pass (flashcheck/firstpass.py), then the pin it ran
     last_fitted: tuple | None = None  # (impl, case) of the latest fit: the case a failure report shows
     last_layout: object = None  # the packed batch (strategies/varlen.py) the latest fitted case belongs to
@@ -47,3 +49,31 @@ def begin(**fields) -> Test:
 
 def end() -> None:
     _CURRENT.set(Test())
+
+
+def watch_failures(fn):
+    """Mark the current Test ``failed`` when a case of the Hypothesis test ``fn`` raises; returns
+    the undo. Once a case fails, Hypothesis replays and shrinks it: a time budget that refused
+    those calls turned a real failure into Hypothesis's "flaky" verdict, reported as nondeterminism."""
+    hyp = getattr(fn, "hypothesis", None)
+    inner = getattr(hyp, "inner_test", None)
+    if inner is None:
+        return lambda: None
+    from hypothesis.errors import UnsatisfiedAssumption
+
+    @functools.wraps(inner)
+    def watched(*args, **kwargs):
+        try:
+            return inner(*args, **kwargs)
+        except UnsatisfiedAssumption:  # a refused draw, not a failure
+            raise
+        except BaseException:
+            current().failed = True
+            raise
+
+    hyp.inner_test = watched
+
+    def undo():
+        hyp.inner_test = inner
+
+    return undo

@@ -255,7 +255,9 @@ def fit(impl, case: AttentionCase) -> AttentionCase:
     # The budget is for generated cases, counted from the first one that runs, so a property whose
     # pins alone outlast it still runs one: Hypothesis reads a property with no generated case as
     # one whose every draw was refused (Unsatisfiable), not as one that ran out of time.
-    if generated and test.generated_from is not None and time.monotonic() > test.generated_from + test.budget:
+    # Once a case has failed, Hypothesis replays and shrinks it: the budget then refuses nothing.
+    spent = generated and not test.failed and test.generated_from is not None
+    if spent and time.monotonic() > test.generated_from + test.budget:
         test.last_refusal = BUDGET_SPENT
         reject()  # Hypothesis ends the property once its refusals pile up: a night sized by time
     c, why = supported(impl, case)

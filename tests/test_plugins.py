@@ -248,6 +248,34 @@ def test_pins_that_outlast_the_budget_still_leave_one_generated_case():
     assert ran[:1] == [pin] and len(ran) == 2, f"expected the pin, then one generated case; ran {ran}"
 
 
+def test_a_case_failing_as_the_budget_ends_is_replayed_and_reported_not_called_flaky():
+    """The gpu lane reported a jax-cudnn failure as "the same input gave different results": the
+    budget ran out while Hypothesis replayed the failing case, and refused the replay."""
+    import time
+
+    from hypothesis import HealthCheck, given, settings
+
+    from flashcheck import strategies as fs
+
+    impl = load("numpy-dense")
+    ran = []
+
+    @settings(max_examples=8, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @given(fs.cases())
+    def prop(case):
+        ran.append(fs.fit(impl, case))
+        time.sleep(0.02)  # the first case outlasts the budget
+        raise AssertionError("wrong everywhere")
+
+    undo = context.watch_failures(prop)
+    try:
+        with pytest.raises(AssertionError, match="wrong everywhere"):
+            _budgeted(prop, 0.01)
+    finally:
+        undo()
+    assert len(ran) >= 2 and ran[-1] == ran[0], f"expected the failing case replayed as it was, ran {ran}"
+
+
 def test_a_property_ended_by_its_budget_passes_with_what_it_ran():
     """Refusals right after the first generated case trip Hypothesis's filter health check: the
     gpu lane reported such properties as "no case fits its declarations" and skipped them."""
