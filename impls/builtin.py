@@ -10,6 +10,7 @@ import importlib
 MODULES = (
     ("flashcheck.impls.numpy_ref", ["numpy-dense", "numpy-tiled"]),
     ("flashcheck.impls.torch_tiled", ["torch-tiled", "torch-tiled-varlen"]),
+    ("flashcheck.impls.torch_cache", ["torch-tiled-kvcache"]),
     ("flashcheck.impls.triton_fused", ["triton-fused"]),
     ("flashcheck.impls.sdpa", ["sdpa-math", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn"]),
     ("flashcheck.impls.flex", ["flex"]),

@@ -118,10 +118,12 @@ class _Features:
         return (kept.to(like.dtype) / (1.0 - self.dropout_p)).view(like.shape)
 
 
-def _forward(qg, kg, vg, ft: _Features, *, block_q, block_k):
-    """Online softmax over key tiles for each query tile. Returns O (B*Hkv, Sq, G, Dv) and LSE (B*Hkv, Sq, G)."""
+def _forward(qg, kg, vg, ft: _Features, *, block_q, block_k, keys=None):
+    """Online softmax over key tiles for each query tile. Returns O (B*Hkv, Sq, G, Dv) and LSE (B*Hkv, Sq, G).
+    ``keys=(first, last)`` attends to those keys alone (one split of split-KV)."""
     bh, sq, g, d = qg.shape
     sk, dv = kg.shape[1], vg.shape[2]
+    first, last = keys or (0, sk)
     o = torch.zeros(bh, sq, g, dv, dtype=qg.dtype, device=qg.device)
     lse = torch.full((bh, sq, g), NEG_INF, dtype=qg.dtype, device=qg.device)
     for q0 in range(0, sq, block_q):
@@ -131,8 +133,8 @@ def _forward(qg, kg, vg, ft: _Features, *, block_q, block_k):
         l = torch.zeros_like(m)
         acc = torch.zeros(bh, qt.shape[1], dv, dtype=qg.dtype, device=qg.device)
         k_start, k_end = ft.key_range(q0, q1)
-        for k0 in range(k_start, k_end, block_k):
-            k1 = min(k0 + block_k, sk)
+        for k0 in range(max(k_start, first), min(k_end, last), block_k):
+            k1 = min(k0 + block_k, last)
             s, _ = ft.scores(qt, kg[:, k0:k1], q0, q1, k0, k1)
             # New running max; the old sums must be rescaled to it.
             m_new = torch.maximum(m, s.amax(dim=-1))

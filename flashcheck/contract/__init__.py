@@ -79,6 +79,11 @@ class Implementation:
     deterministic: bool = False  # repeated calls on one input are bitwise identical (checked)
     # Layouts (docs/features.md): a kernel that declares one is called only in it.
     varlen: bool = False  # packed sequences: f(q (Tq, Hq, D), k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ...)
+    kvcache: bool = False  # decoding against a cache: f(q, k_cache, v_cache, *, cache_seqlens, ...), forward only
+    kv_append: bool = False  # with kvcache: takes k_new=, v_new=, written into the cache in place
+    paged: bool = False  # with kvcache: k_cache (num_blocks, Hkv, page_size, D) and block_table=
+    page_sizes: tuple[int, ...] | None = None  # with paged: the page sizes it takes (None: any)
+    splits: bool = False  # with kvcache: takes num_splits= (split-KV); the result must not depend on it
 
     def __post_init__(self):
         _validate(self)
@@ -216,8 +221,35 @@ def _validate(i: Implementation) -> None:
     if i.varlen and i.framework != "torch":
         raise ContractError(f"implementation {name!r}: varlen=True needs framework='torch' (cu_seqlens are int32 "
                             "tensors on q's device)")
-    for flag in ("causal_only", "scale_arg", "deterministic", "varlen"):
+    _validate_cache(i, put)
+    for flag in ("causal_only", "scale_arg", "deterministic", "varlen", "kvcache", "kv_append", "paged", "splits"):
         put(flag, bool(getattr(i, flag)))
+
+
+def _validate_cache(i: Implementation, put) -> None:
+    """The KV-cache layout's declarations (docs/features.md, "KV caches")."""
+    name = i.name
+    for flag in ("kv_append", "paged", "splits"):
+        if getattr(i, flag) and not i.kvcache:
+            raise ContractError(f"implementation {name!r}: {flag}=True goes with kvcache=True")
+    if i.page_sizes is not None:
+        sizes = (i.page_sizes,) if isinstance(i.page_sizes, int) else tuple(i.page_sizes)
+        if not i.paged or not sizes or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1
+                                               for n in sizes):
+            raise ContractError(f"implementation {name!r}: page_sizes must be ints >= 1, declared with paged=True, "
+                                f"got {i.page_sizes!r}")
+        put("page_sizes", tuple(sorted(set(sizes))))
+    if not i.kvcache:
+        return
+    if i.framework != "torch" or i.varlen:
+        raise ContractError(f"implementation {name!r}: kvcache=True needs framework='torch' and no varlen "
+                            "(cache_seqlens are int32 tensors on q's device)")
+    if i.backward or i.dropout:
+        raise ContractError(f"implementation {name!r}: a kvcache kernel is checked forward only: declare "
+                            "backward=False and dropout=False (declare the same kernel's training path apart)")
+    if set(i.causal) - {"bottom_right"}:
+        raise ContractError(f"implementation {name!r}: a kvcache kernel's queries are the cache's last "
+                            f"positions: causal must be 'bottom_right' or None, got {i.causal!r}")
 
 
 DECLARABLE = tuple(f for f in Implementation.__dataclass_fields__ if f != "fn")

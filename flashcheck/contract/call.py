@@ -139,8 +139,9 @@ def run(impl: Implementation, case, q, k, v, do=None, *, device=None, path=None)
     """Run forward (and backward through dO when given) on float64 arrays holding case.dtype values.
 
     ``path`` (a key of PATHS) picks how a torch kernel is called; by default the inputs need
-    gradients exactly when dO is given. A kernel that declares a layout (varlen) is called in it:
-    the dense batch is packed, and its results unpacked (flashcheck/contract/packed.py)."""
+    gradients exactly when dO is given. A kernel that declares a layout is called in it: the dense
+    batch is packed and its results unpacked (varlen: flashcheck/contract/packed.py), or its keys
+    are put in a cache (kvcache: flashcheck/contract/cache.py)."""
     if path not in (None, *PATHS) or (path not in (None, "autograd") and do is not None):
         raise ValueError(f"path {path!r}: expected one of {tuple(PATHS)}, and dO only on the autograd path")
     device = device or device_for(impl)
@@ -148,6 +149,10 @@ def run(impl: Implementation, case, q, k, v, do=None, *, device=None, path=None)
         from flashcheck.contract import packed
 
         return packed.run_dense(impl, case, q, k, v, do, device=device, path=path)
+    if impl.kvcache:
+        from flashcheck.contract import cache
+
+        return cache.run_dense(impl, case, q, k, v, do, device=device, path=path)
     if impl.framework == "numpy":
         kw = kwargs_for(impl, case)
         qn, kn, vn = (x.astype(case.dtype) for x in (q, k, v))

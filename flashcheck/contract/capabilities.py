@@ -63,9 +63,14 @@ CAPABILITIES = {
     "independent": _independent,
     "float64": lambda i: None if "float64" in i.dtypes else f"{i.name} does not declare float64",
     "varlen": lambda i: None if i.varlen else f"{i.name} does not declare varlen=True (packed sequences)",
+    "kvcache": lambda i: None if i.kvcache else f"{i.name} does not declare kvcache=True (a KV cache)",
+    "kv_append": lambda i: None if i.kv_append else f"{i.name} does not declare kv_append=True (k_new, v_new)",
+    "paged": lambda i: None if i.paged else f"{i.name} does not declare paged=True (a block table)",
+    "splits": lambda i: None if i.splits else f"{i.name} does not declare splits=True (num_splits)",
     # tests that call the kernel directly with malformed dense tensors; a layout has its own
     "dense": lambda i: f"{i.name} takes packed sequences (varlen=True): properties/test_varlen.py checks its "
-    "input validation" if i.varlen else None,
+    "input validation" if i.varlen else f"{i.name} takes a KV cache (kvcache=True): properties/test_kvcache.py "
+    "checks its input validation" if i.kvcache else None,
     # the feature matrix (docs/features.md)
     **{f: (lambda f: lambda i: None if getattr(i, f) else f"{i.name} does not declare {f}=True")(f)
        for f in feature_table.NAMES},

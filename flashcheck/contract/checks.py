@@ -1,8 +1,8 @@
 """Input validation shared by every built-in implementation: bad input is named, never computed."""
 from __future__ import annotations
 
-__all__ = ["alignment", "check_blocks", "check_features", "check_inputs", "check_tensors", "check_varlen", "dtype_name",
-           "offset"]
+__all__ = ["alignment", "check_blocks", "check_features", "check_inputs", "check_kvcache", "check_tensors", "check_varlen",
+           "dtype_name", "offset"]
 
 
 def dtype_name(x) -> str:
@@ -79,6 +79,52 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
         if not isinstance(top, int) or top < longest:
             raise ValueError(f"{who}: {label} must be an int >= the longest sequence ({longest}), got {top!r}")
     return cu[0], cu[1]
+
+
+def _int32(label, x, shape, device, who):
+    import torch
+
+    if not isinstance(x, torch.Tensor) or x.dtype != torch.int32 or tuple(x.shape) != shape:
+        raise TypeError(f"{who}: {label} must be an int32 tensor of shape {shape}, got "
+                        f"{getattr(x, 'dtype', type(x).__name__)} of shape {tuple(getattr(x, 'shape', ()))}")
+    if x.device != device:
+        raise ValueError(f"{who}: {label} is on {x.device}, q on {device}")
+    return x.tolist()
+
+
+def check_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, *, dtypes, who: str):
+    """Validate a cache call (flashcheck/contract/cache.py). Returns (lengths before appending as
+    Python ints, the block table as lists or None, the page size: S_max for a contiguous cache)."""
+    b, sq = q.shape[0], q.shape[2]
+    paged = block_table is not None
+    # the dense checks, with the cache as the keys: its batch is the number of blocks when paged
+    check_inputs(q, *((x[:1].expand(b, -1, -1, -1) if paged else x) for x in (k_cache, v_cache)), dtypes=dtypes,
+                 who=who)
+    if (k_new is None) != (v_new is None):
+        raise ValueError(f"{who}: k_new and v_new go together")
+    if k_new is not None:
+        want = [(b, k_cache.shape[1], sq, c.shape[-1]) for c in (k_cache, v_cache)]
+        for label, x, shape in (("k_new", k_new, want[0]), ("v_new", v_new, want[1])):
+            if tuple(getattr(x, "shape", ())) != shape or dtype_name(x) != dtype_name(q):
+                raise ValueError(f"{who}: {label} must be {dtype_name(q)} of shape (B, Hkv, Sq, D) = {shape}, got "
+                                 f"{dtype_name(x)} of shape {tuple(getattr(x, 'shape', ()))}")
+    lengths = _int32("cache_seqlens", cache_seqlens, (b,), q.device, who)
+    page = k_cache.shape[2]
+    table = None
+    if paged:
+        table = _int32("block_table", block_table, (b, block_table.shape[-1] if getattr(block_table, "ndim", 0) == 2 else "max_blocks"),
+                       q.device, who)
+        bad = [x for row in table for x in row if not 0 <= x < k_cache.shape[0]]
+        if bad:
+            raise ValueError(f"{who}: block_table names blocks {sorted(set(bad))[:5]} outside the cache's "
+                             f"{k_cache.shape[0]} blocks")
+    room = page * (len(table[0]) if paged else 1)
+    added = 0 if k_new is None else sq
+    for i, n in enumerate(lengths):
+        if not 0 <= n <= room - added:
+            raise ValueError(f"{who}: cache_seqlens[{i}] = {n}: a sequence holds 0 to {room} positions"
+                             + (f", and {added} new keys are appended" if added else ""))
+    return lengths, table, page
 
 
 def check_blocks(block_q, block_k, *, who: str):
