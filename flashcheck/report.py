@@ -71,7 +71,7 @@ class Failure:
     pin: AttentionCase | None = None  # the pinned @example the case was shrunk from
     entries: Entries | None = None  # what the oracle found, entry by entry, in the comparison that failed
     params: str = ""  # the test's other parameters (e.g. which malformed input)
-    layout: object = None  # the packed batch the case is one sequence of (strategies/varlen.py)
+    layout: object = None  # the packed or cached batch the case is one sequence of (strategies/varlen.py, kvcache.py)
 
     @classmethod
     def of(cls, item, impl, exc: BaseException, pin=None) -> "Failure":
@@ -108,7 +108,9 @@ class Failure:
                           else f"shrunk from the pinned example {pinned}")
             lines.append(f"  case = {case_code(self.case, impl)}  # {origin}, fitted to {impl.name}")
         if self.layout is not None:
-            lines.append(f"  packed = Packed({case_code(self.layout.case, impl)}, lengths={self.layout.lengths!r})"
+            kind = type(self.layout).__name__  # Packed (strategies/varlen.py) or Cached (strategies/kvcache.py)
+            rest = repr(self.layout).split(", lengths=", 1)[1]
+            lines.append(f"  {kind.lower()} = {kind}({case_code(self.layout.case, impl)}, lengths={rest}"
                          "  # the batch it was called in: sequence b is the template at its lengths, seed + b")
         if self.entries is not None:
             lines += _describe(self.entries, self.case, impl)
