@@ -5,7 +5,7 @@ same path a user's plug-in takes. The table printed at the end is README's mutan
 """
 import pytest
 
-from mutants import features, fixed_tiles, harness, kvcache, precision, tiled, varlen
+from mutants import features, fixed_tiles, harness, kvcache, precision, strides, tiled, varlen
 
 try:
     from mutants import triton as triton_mutants
@@ -19,6 +19,7 @@ MUTANTS += [(f"mutants/features.py:{bug}", what) for bug, what in features.BUGS.
 MUTANTS += [(f"mutants/fixed_tiles.py:{bug}", what) for bug, what in fixed_tiles.BUGS.items()]
 MUTANTS += [(f"mutants/varlen.py:{bug}", what) for bug, what in varlen.BUGS.items()]
 MUTANTS += [(f"mutants/kvcache.py:{bug}", what) for bug, what in kvcache.BUGS.items()]
+MUTANTS += [(f"mutants/strides.py:{bug}", what) for bug, what in strides.BUGS.items()]
 if triton_mutants is not None:
     MUTANTS += [(f"mutants/triton.py:{bug}", what) for bug, what in triton_mutants.BUGS.items()]
     MUTANTS += [(f"mutants/triton.py:{bug}", what) for bug, what in triton_mutants.FEATURE_BUGS.items()]
@@ -32,7 +33,7 @@ SLOW_KILLS = {spec for spec, _ in PRECISION}
 # The mutants' own correct build is the false-alarm check CI runs; the built-ins pass the
 # main suite already, so repeating them here through the harness is opt-in (slow).
 CORRECT = ["mutants/tiled.py:correct", "mutants/features.py:correct", "mutants/fixed_tiles.py:correct",
-           "mutants/varlen.py:correct", "mutants/kvcache.py:correct",
+           "mutants/varlen.py:correct", "mutants/kvcache.py:correct", "mutants/strides.py:correct",
            pytest.param("mutants/precision.py:correct", id="precision-correct"),
            pytest.param("flashcheck.impls.numpy_ref:tiled_forward", marks=pytest.mark.slow),
            pytest.param("flashcheck.impls.triton_fused:attention", marks=pytest.mark.slow)]

@@ -85,6 +85,7 @@ class AttentionCase:
     sinks: tuple | None = None  # one sink logit per query head
     dropout_p: float = 0.0
     dropout_seed: int = 0
+    memory: str = "contiguous"  # how a torch kernel's inputs lie in memory (flashcheck/contract/memory.py)
 
     def __repr__(self):
         return self.code()
@@ -104,6 +105,10 @@ class AttentionCase:
             raise ValueError(f"regime must be one of {REGIMES}, got {self.regime!r}")
         if self.dtype not in EPS:
             raise ValueError(f"dtype must be one of {tuple(EPS)}, got {self.dtype!r}")
+        from flashcheck.contract.memory import MEMORY
+
+        if self.memory not in MEMORY:
+            raise ValueError(f"memory must be one of {tuple(MEMORY)}, got {self.memory!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         for feature in feature_table.FEATURES:

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from flashcheck.oracle.rounding import DTYPES, HALF
 from flashcheck.strategies import buckets, context
+from flashcheck.contract.memory import MEMORY
 from flashcheck.strategies.case import REGIMES, AttentionCase
 from flashcheck.strategies.features import feature_fields, fit_features
 
@@ -101,6 +102,13 @@ def cases(draw, *, dtypes=None, causal=None, regimes=REGIMES, masked_rows=False,
     case with keys no query sees; ``regimes`` narrows the logits; ``features`` names the
     features (strategies/features.py) that may be drawn on, each shrinking to off.
     """
+    # how a torch kernel's inputs lie in memory, independent of their values (contract/memory.py)
+    memory = draw(st.sampled_from(tuple(MEMORY)), label="memory")
+    return draw(_cases(dtypes, causal, regimes, masked_rows, masked_keys, equal_lengths, features)).replace(memory=memory)
+
+
+@st.composite
+def _cases(draw, dtypes, causal, regimes, masked_rows, masked_keys, equal_lengths, features):
     lim = limits()
     dtypes = dtypes or PROFILE_DTYPES.get(_profile(), DEFAULT_DTYPES)
     half = [t for t in dtypes if t in HALF]
@@ -222,6 +230,10 @@ def within(impl, case: AttentionCase) -> AttentionCase:
         c = c.replace(block_q=_nearest(c.block_q, impl.blocks), block_k=_nearest(c.block_k, impl.blocks))
     if not impl.scale_arg:
         c = c.replace(scale=None)
+    if impl.framework != "torch" or impl.varlen or impl.kvcache:
+        c = c.replace(memory="contiguous")  # a layout's own call builds its tensors
+    elif c.memory not in impl.layouts:
+        c = c.replace(memory="contiguous" if "contiguous" in impl.layouts else impl.layouts[0])
     return c
 
 

@@ -11,6 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable
 
+from flashcheck.contract.memory import MEMORY
 from flashcheck.oracle.rounding import DTYPES, PRECISIONS
 from flashcheck.strategies import feature_table
 
@@ -77,6 +78,7 @@ class Implementation:
     supports: Callable | None = None  # case -> True, or False / a reason string when it cannot run it
     scale_arg: bool = True  # False: the function takes no scale= and always uses 1/sqrt(D)
     deterministic: bool = False  # repeated calls on one input are bitwise identical (checked)
+    layouts: tuple[str, ...] = tuple(MEMORY)  # how its torch inputs may lie in memory (contract/memory.py)
     # Layouts (docs/features.md): a kernel that declares one is called only in it.
     varlen: bool = False  # packed sequences: f(q (Tq, Hq, D), k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ...)
     kvcache: bool = False  # decoding against a cache: f(q, k_cache, v_cache, *, cache_seqlens, ...), forward only
@@ -165,6 +167,9 @@ def _validate(i: Implementation) -> None:
         else _as_tuple(i.causal, "causal alignment", ALIGNMENTS, name))
     put("dtypes", _as_tuple(i.dtypes, "dtype", DTYPES, name))
     put("devices", _as_tuple(i.devices, "device", DEVICES, name))
+    put("layouts", _as_tuple(i.layouts, "memory layout", tuple(MEMORY), name))
+    if not i.layouts:
+        raise ContractError(f"implementation {name!r}: layouts must name at least one of {tuple(MEMORY)}")
     if i.framework not in FRAMEWORKS:
         raise ContractError(f"implementation {name!r}: framework must be one of {FRAMEWORKS}, got {i.framework!r}")
     if i.framework == "numpy" and i.backward is True:

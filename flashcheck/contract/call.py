@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flashcheck.contract import Implementation
+from flashcheck.contract import Implementation, memory
 from flashcheck.oracle.rounding import RESULTS
 from flashcheck.strategies import feature_table
 
@@ -181,20 +181,27 @@ def run_torch(impl, case, q, k, v, do, *, device, path, shapes, layout_kw=None) 
     # torch.tensor copies: a tensor sharing the caller's buffer (from_numpy of float64 on CPU)
     # would hide an in-place write from the comparison with the inputs afterwards.
     grad = do is not None or path == "autograd"
-    qt, kt, vt = (torch.tensor(x).to(device=device, dtype=dt).requires_grad_(grad) for x in (q, k, v))
+    qt, kt, vt = (memory.lay(torch, x, case.memory, device=device, dtype=dt).requires_grad_(grad) for x in (q, k, v))
     kw = kwargs_for(impl, case, tensor=lambda a: torch.from_numpy(a).to(device))
     kw.update(layout_kw(torch, device) if layout_kw else {})
     sinks = kw.get("sinks")
     if sinks is not None:
         sinks.requires_grad_(grad)
     with _grad_mode(path):
-        out = _call(impl, case, qt, kt, vt, **kw)
+        try:
+            out = _call(impl, case, qt, kt, vt, **kw)
+        except (AssertionError, NotImplementedError):
+            raise
+        except Exception as exc:
+            if case.memory == "contiguous":
+                raise
+            raise memory.LayoutRefused(memory.refused(impl, case, exc)) from exc
     o, lse = _split(impl, out, impl.name)
     _check_returned(impl, shapes, o, lse)
     res = Result(_np(o), None if lse is None else _np(lse), dtype=str(o.dtype).removeprefix("torch."),
                  lse_dtype="" if lse is None else str(lse.dtype).removeprefix("torch."))
     if do is not None:
-        o.backward(torch.from_numpy(do).to(device=device, dtype=o.dtype))
+        o.backward(memory.lay(torch, do, case.memory, device=device, dtype=o.dtype))  # dO laid out as the inputs
         res.dq, res.dk, res.dv = (_np(x.grad) if x.grad is not None else np.zeros(x.shape) for x in (qt, kt, vt))
         if sinks is not None:
             res.dsinks = _np(sinks.grad) if sinks.grad is not None else np.zeros(sinks.shape)

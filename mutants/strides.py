@@ -1,0 +1,69 @@
+"""Deliberately broken kernels that read their inputs as a raw-pointer kernel does, trusting a
+layout the caller never promised (docs/mutants.md). The suite lays inputs out in every way
+flashcheck/contract/memory.py names: transposed BSHD views, rows padded with NaN, storage
+offsets, stride-0 broadcast dimensions.
+
+The kernel is dense attention in its own dtype, with autograd for the backward. ``bug=None`` is
+the correct kernel. Each mutant is a plug-in, ``mutants/strides.py:<name>``.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from flashcheck.contract import implementation
+from flashcheck.contract.checks import check_inputs
+
+BUGS = {
+    "assumes_contiguous_strides": "reads q, k, v from their storage with contiguous (B, H, S, D) strides",
+    "ignores_storage_offset": "reads q, k, v from the start of their storage, not their first element",
+}
+
+
+def _contiguous_strides(shape):
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
+
+
+def _read(x, bug):
+    if bug == "assumes_contiguous_strides":
+        return torch.as_strided(x, x.shape, _contiguous_strides(x.shape), x.storage_offset())
+    if bug == "ignores_storage_offset":
+        return torch.as_strided(x, x.shape, x.stride(), 0)
+    return x
+
+
+def _kernel(bug):
+    def attention(q, k, v, *, causal=False, scale=None):
+        check_inputs(q, k, v, dtypes=("float32", "float64"), who="mutant")
+        q, k, v = (_read(x, bug) for x in (q, k, v))
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+        g = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+        s = scale * q @ k.transpose(-1, -2)
+        if causal:
+            sq, sk = q.shape[2], k.shape[2]
+            i = torch.arange(sq)[:, None]
+            j = torch.arange(sk)[None, :]
+            s = s.masked_fill(j > i + sk - sq, float("-inf"))
+        m = s.amax(-1, keepdim=True)
+        m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # a row that sees nothing: O = 0, not NaN
+        p = torch.exp(s - m)
+        denom = p.sum(-1, keepdim=True)
+        return p @ v / torch.where(denom == 0, torch.ones_like(denom), denom)
+
+    return attention
+
+
+def _register(name, bug):
+    return implementation(name=name, causal="bottom_right", dtypes=("float32", "float64"), devices=("cpu",),
+                          backward=True, gqa=True, register=False)(_kernel(bug))
+
+
+correct = _register("strides-correct", None)
+for _bug in BUGS:
+    globals()[_bug] = _register(f"strides-{_bug}", _bug)

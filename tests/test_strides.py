@@ -1,0 +1,55 @@
+"""How inputs lie in memory (flashcheck/contract/memory.py): each layout holds the same values, its
+margins hold NaN, a kernel that cannot take one is told what to declare, and fit() keeps to the
+declaration."""
+import numpy as np
+import pytest
+import torch
+
+from flashcheck import strategies as fs
+from flashcheck.contract import call, implementation, load, memory
+from flashcheck.strategies import AttentionCase as Case
+
+pytestmark = pytest.mark.properties
+X = np.arange(1 * 2 * 3 * 4, dtype=np.float64).reshape(1, 2, 3, 4)
+
+
+@pytest.mark.parametrize("kind", sorted(memory.MEMORY))
+def test_every_layout_holds_the_same_values(kind):
+    t = memory.lay(torch, X, kind, device="cpu", dtype=torch.float32)
+    assert t.shape == X.shape and np.array_equal(t.numpy(), X), f"{kind}: values changed"
+    want = {"contiguous": (24, 12, 4, 1), "bshd": (24, 4, 8, 1), "padded": (42, 21, 7, 1), "offset": (24, 12, 4, 1),
+            "broadcast": (0, 12, 4, 1)}[kind]
+    assert t.stride() == want, f"{kind}: expected strides {want}, got {t.stride()}"
+    assert t.storage_offset() == (memory.OFFSET if kind == "offset" else 0), f"{kind}: storage offset"
+
+
+@pytest.mark.parametrize("kind", ["padded", "offset"])
+def test_the_margins_around_a_view_hold_nan(kind):
+    t = memory.lay(torch, X, kind, device="cpu", dtype=torch.float32)
+    storage = torch.as_strided(t, (t.untyped_storage().nbytes() // 4,), (1,), 0)
+    assert int(torch.isnan(storage).sum()) == storage.numel() - X.size, f"{kind}: every element outside the view is NaN"
+
+
+def test_a_kernel_that_raises_on_a_layout_is_told_which_declaration_to_add():
+    @implementation(name="flat-reader", register=False)
+    def attention(q, k, v, *, causal=False, scale=None):
+        q.view(-1)  # raises on a transposed view, as a kernel that needs contiguous input does
+        return torch.zeros_like(q)
+
+    impl = attention.__flashcheck__
+    case = Case(batch=2, hq=2, hkv=2, sq=3, sk=3, d=2, dv=2, dtype="float32", memory="bshd")
+    with pytest.raises(memory.LayoutRefused) as info:
+        call.run(impl, case, *case.inputs()[:3])
+    assert "memory='bshd'" in str(info.value) and "layouts=('contiguous', 'padded', 'offset', 'broadcast')" in \
+        str(info.value), f"expected the layout and the declaration to add, got: {info.value}"
+
+
+def test_fit_keeps_to_the_declared_layouts_and_to_contiguous_where_a_layout_builds_its_own_tensors():
+    @implementation(name="bshd-only", layouts=("bshd",), register=False)
+    def attention(q, k, v, *, causal=False, scale=None):
+        return q
+
+    assert fs.fit(attention.__flashcheck__, Case(memory="padded")).memory == "bshd"
+    assert fs.fit(load("torch-tiled"), Case(memory="padded")).memory == "padded"
+    for name in ("torch-tiled-varlen", "numpy-tiled"):
+        assert fs.fit(load(name), Case(memory="offset")).memory == "contiguous", f"{name} builds its own inputs"
