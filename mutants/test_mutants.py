@@ -5,7 +5,7 @@ same path a user's plug-in takes. The table printed at the end is README's mutan
 """
 import pytest
 
-from mutants import features, fixed_tiles, harness, kvcache, precision, strides, tiled, varlen
+from mutants import features, fixed_tiles, harness, kvcache, precision, races, strides, tiled, varlen
 
 try:
     from mutants import triton as triton_mutants
@@ -20,6 +20,7 @@ MUTANTS += [(f"mutants/fixed_tiles.py:{bug}", what) for bug, what in fixed_tiles
 MUTANTS += [(f"mutants/varlen.py:{bug}", what) for bug, what in varlen.BUGS.items()]
 MUTANTS += [(f"mutants/kvcache.py:{bug}", what) for bug, what in kvcache.BUGS.items()]
 MUTANTS += [(f"mutants/strides.py:{bug}", what) for bug, what in strides.BUGS.items()]
+MUTANTS += [(f"mutants/races.py:{bug}", what) for bug, what in races.BUGS.items()]
 if triton_mutants is not None:
     MUTANTS += [(f"mutants/triton.py:{bug}", what) for bug, what in triton_mutants.BUGS.items()]
     MUTANTS += [(f"mutants/triton.py:{bug}", what) for bug, what in triton_mutants.FEATURE_BUGS.items()]
@@ -45,6 +46,8 @@ def _files(spec):
         return ["properties/test_dropout.py"]  # dropout's properties alone: the others pass ~15 s first
     if spec.startswith("mutants/varlen.py"):
         return ["properties/test_varlen.py"]  # packing bugs show only in ragged batches
+    if spec.startswith("mutants/races.py"):
+        return ["properties/test_races.py"]  # a race shows only when one input is called again and again
     if spec.startswith("mutants/kvcache.py"):
         return ["properties/test_kvcache.py"]  # cache bugs show in the cache's own layouts
     if spec.startswith("mutants/precision.py"):
@@ -78,7 +81,9 @@ def test_mutant_is_killed_with_a_small_case(spec, what, pins):
     assert verdict.killed, f"{spec} ({what}) survived the property suite:\n{verdict.output[-2000:]}"
     assert verdict.case, f"{spec} was killed by {verdict.test} but no shrunk case was reported"
     case = harness.parse(verdict.case)
-    assert (spec, what) in PRECISION or small(case), f"{spec}: shrunk case is not small: {verdict.case}"
+    race = spec.startswith("mutants/races.py")  # the race property runs at its own batch
+    assert (spec, what) in PRECISION or small(case.replace(batch=1) if race else case), \
+        f"{spec}: shrunk case is not small: {verdict.case}"
 
 
 @pytest.mark.parametrize("spec", CORRECT)

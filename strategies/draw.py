@@ -20,11 +20,13 @@ from flashcheck.strategies.case import REGIMES, AttentionCase
 from flashcheck.strategies.features import feature_fields, fit_features
 
 # How large cases get, by Hypothesis profile; "default" also covers unknown profiles.
+# race_batch and repeats: the race property's batch and calls per input (FlashAttention's own race
+# test repeats 250 times at batch 60; the host's float64 truth is computed once per case)
 LIMITS = {
-    "default": dict(batch=2, heads=3, seq=40, dim=48, long=2048),
-    "ci": dict(batch=2, heads=3, seq=40, dim=48, long=2048),
-    "thorough": dict(batch=3, heads=4, seq=96, dim=96, long=4096),
-    "gpu": dict(batch=3, heads=4, seq=300, dim=256, long=2048),  # the float64 truth runs on the host CPU
+    "default": dict(batch=2, heads=3, seq=40, dim=48, long=2048, race_batch=4, repeats=3),
+    "ci": dict(batch=2, heads=3, seq=40, dim=48, long=2048, race_batch=4, repeats=2),
+    "thorough": dict(batch=3, heads=4, seq=96, dim=96, long=4096, race_batch=16, repeats=10),
+    "gpu": dict(batch=3, heads=4, seq=300, dim=256, long=2048, race_batch=60, repeats=20),  # the truth runs on the host
 }
 PROFILE_DTYPES = {  # the gpu lane's: no float64 on the device
     "gpu": ("float16", "bfloat16", "float32"),

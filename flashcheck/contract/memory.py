@@ -16,7 +16,7 @@ MEMORY = {
     "bshd": "(B, S, H, D) tensors viewed as (B, H, S, D), as flash_attn_func users transpose them",
     "padded": "each row a slice of a wider row whose last 3 entries are NaN (last-dimension stride D + 3)",
     "offset": "views starting 61 elements into their storage, NaN before them (a storage offset)",
-    "broadcast": "every dimension of size 1 (batch, heads) with stride 0, as expand() leaves it",
+    "broadcast": "a batch or head count of 1 with stride 0, as expand() leaves it (GQA's K/V heads, one batch entry)",
 }
 PAD, OFFSET = 3, 61
 
@@ -37,7 +37,7 @@ def lay(torch, x: np.ndarray, kind: str, *, device, dtype):
         flat[OFFSET:] = t.reshape(-1)
         return flat[OFFSET:].view(t.shape)
     if kind == "broadcast":
-        return t.as_strided(t.shape, [0 if n == 1 else s for n, s in zip(t.shape, t.stride())])
+        return t.as_strided(t.shape, [0 if n == 1 and i < 2 else s for i, (n, s) in enumerate(zip(t.shape, t.stride()))])
     return t
 
 

@@ -1,0 +1,36 @@
+"""Races: one input called again and again at a large batch, with many programs in flight."""
+import numpy as np
+import pytest
+from hypothesis import example, given, note
+
+from flashcheck import oracle as orc
+from flashcheck import strategies as fs
+from flashcheck.contract import call
+from flashcheck.oracle.rounding import RESULTS
+from flashcheck.strategies import AttentionCase as Case
+from flashcheck.strategies import draw as fs_draw
+
+pytestmark = pytest.mark.properties
+
+
+@given(case=fs.cases())
+@example(case=Case(hq=2, hkv=1, sq=17, sk=33, d=16, dv=16, causal="bottom_right"))  # partial tiles, GQA
+def test_repeated_calls_at_a_large_batch_each_stay_within_the_bound(impl, case):
+    """Every call is judged on its own (a kernel need not be deterministic); a call that fails after
+    earlier ones passed on the same input is a race. Whether the calls repeat bit for bit is noted."""
+    lim = fs_draw.limits()
+    case = fs.fit(impl, case.replace(batch=lim["race_batch"]))
+    q, k, v, do = case.inputs()
+    do = do if impl.has_backward else None
+    first, repeats = None, lim["repeats"]
+    for r in range(repeats):
+        res = call.run(impl, case, q, k, v, do)
+        who = f"{impl.name} (call {r + 1} of {repeats} on one input at batch {case.batch}" + (
+            ", the earlier calls within the bound: a race)" if r else ")")
+        for name in RESULTS:
+            if getattr(res, name) is not None:
+                orc.compare(case, name, getattr(res, name), who=who)
+        first = first or res
+        same = [n for n in ("o", "lse") if getattr(res, n) is not None
+                and np.array_equal(getattr(res, n), getattr(first, n), equal_nan=True)]
+        note(f"call {r + 1}: {', '.join(same) or 'nothing'} bit for bit as the first call")
