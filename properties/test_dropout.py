@@ -96,6 +96,9 @@ def read_mask(impl, case, k):
 @given(case=fs.cases(features=("dropout",), regimes=("plain",)))
 @example(case=Case(sq=4, sk=5, dv=5, causal="bottom_right", dropout_p=0.5, dropout_seed=2))
 @example(case=Case(sq=3, sk=3, dv=3, dropout_p=0.1, dropout_seed=1, block_k=1))
+# a dQ entry of 1.38 with dropout, its dropout-free truth far smaller: the old budget missed its fp16 rounding
+@example(case=Case(sq=20, sk=17, d=5, dv=17, causal="top_left", scale=0.75, dtype="float16", block_q=1, block_k=1,
+                   seed=1738725, dropout_p=0.5, dropout_seed=1738725))
 def test_the_keep_mask_read_from_the_output_is_rescaled_kept_at_rate_1_minus_p_and_used_by_the_backward(impl,
                                                                                                         case):
     case = fs.fit(impl, _with_dropout(case).replace(dv=case.sk, d=case.sk if impl.equal_head_dims else case.d))
@@ -131,8 +134,11 @@ def test_the_keep_mask_read_from_the_output_is_rescaled_kept_at_rate_1_minus_p_a
     for name, want_x in wants.items():
         got = getattr(res, name)
         if got is not None:
-            # P * keep / (1 - p) <= P / (1 - p): every sum that sizes a result grows by at most 1 / (1 - p)
-            orc.compare(case, name, got, want=want_x, budget=orc.allowed(case, name)[0] / (1 - p),
+            # P * keep / (1 - p) <= P / (1 - p): every sum that sizes a result grows by at most 1 / (1 - p);
+            # the result's own final rounding is that of the dropped-out value, which may be far larger
+            # than the dropout-free one the bound was sized on (an fp16 dQ of 1.38 against a truth near 0)
+            final = orc.half_spacing(np.abs(want_x), orc.result_dtype(case.dtype, name))
+            orc.compare(case, name, got, want=want_x, budget=orc.allowed(case, name)[0] / (1 - p) + final,
                         who=f"{impl.name} (dense with its own dropout mask)")
 
 
