@@ -100,6 +100,7 @@ def pytest_configure(config):
     if not specs and checkout is None:
         config.flashcheck_idle = True  # a pytest run that is not about flashcheck, unless it finds nothing
         return
+    _pin_gpu(config)  # before anything in a worker initializes CUDA
     for line in MARKERS:
         config.addinivalue_line("markers", line)
     # Hypothesis imports libcst to write a patch for a failing example; its deprecations are noise here
@@ -312,6 +313,31 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
+
+
+def _pin_gpu(config):
+    """Several GPUs (flashcheck/devices.py): the xdist controller fixes the list of GPUs in the
+    environment, which its workers inherit, and each worker then sees only its own."""
+    from flashcheck import devices
+
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker is not None:
+        devices.pin(worker, devices._split(os.environ.get(devices.GPUS_ENV, "")))
+    elif config.getoption("numprocesses", None) and os.environ.get(devices.GPUS_ENV) is None:
+        listed = devices.gpus()
+        if listed:
+            os.environ[devices.GPUS_ENV] = ",".join(listed)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto`` in the gpu profile: FLASHCHECK_WORKERS_PER_GPU workers on each GPU."""
+    from flashcheck import devices
+    from flashcheck.strategies import profiles
+
+    profile = config.getoption("hypothesis_profile", None) or profiles.default_profile()
+    listed = devices.gpus() if str(profile).startswith("gpu") else []
+    return len(listed) * devices.workers_per_gpu(len(listed)) if listed else None
 
 
 def _share_cores(config):

@@ -28,6 +28,7 @@ import numpy as np
 
 from hypothesis.errors import UnsatisfiedAssumption
 
+from flashcheck import devices
 from flashcheck.contract import call
 from flashcheck.oracle import TRUTH, Entries, Mismatch
 from flashcheck.strategies import AttentionCase
@@ -107,6 +108,8 @@ class Failure:
                 origin = ("a pinned example, already minimal" if pinned == case_code(self.case, impl)
                           else f"shrunk from the pinned example {pinned}")
             lines.append(f"  case = {case_code(self.case, impl)}  # {origin}, fitted to {impl.name}")
+        if devices.ran_on():
+            lines.append(f"  ran on {devices.ran_on()}; the reproducer replays on any device")
         if self.layout is not None:
             kind = type(self.layout).__name__  # Packed (strategies/varlen.py) or Cached (strategies/kvcache.py)
             rest = repr(self.layout).split(", lengths=", 1)[1]

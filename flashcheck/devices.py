@@ -1,0 +1,70 @@
+"""One GPU per pytest-xdist worker: the gpu lane spread over every GPU of a runner.
+
+The controller (the pytest process that starts the workers) lists the GPUs to use and hands the
+list to each worker; worker ``gwN`` takes GPU ``N mod len(list)`` and sets CUDA_VISIBLE_DEVICES
+to it before anything in it initializes CUDA, so torch, Triton and JAX alike see that one device
+as device 0. ``-n auto`` then starts FLASHCHECK_WORKERS_PER_GPU workers per GPU (default: half
+the cores, shared out over the GPUs: the float64 truth runs on the host). A failure names the
+GPU it ran on; its reproducer runs on whatever device the replaying machine has.
+
+- FLASHCHECK_GPUS: the GPUs to use, as CUDA_VISIBLE_DEVICES writes them ("0,1", or UUIDs);
+  default: CUDA_VISIBLE_DEVICES if set, else every GPU torch counts.
+- FLASHCHECK_WORKERS_PER_GPU: workers per GPU for ``-n auto``.
+"""
+from __future__ import annotations
+
+import os
+
+GPUS_ENV, PER_GPU_ENV, KEY = "FLASHCHECK_GPUS", "FLASHCHECK_WORKERS_PER_GPU", "flashcheck_gpus"
+RAN_ON_ENV = "FLASHCHECK_RAN_ON"  # set in a pinned worker: the GPU a failure names
+
+
+def _split(text: str) -> list[str]:
+    return [g.strip() for g in text.split(",") if g.strip()]
+
+
+def gpus() -> list[str]:
+    """The GPUs to spread over, in the controller (where counting them may initialize CUDA)."""
+    for env in (GPUS_ENV, "CUDA_VISIBLE_DEVICES"):
+        if os.environ.get(env) is not None:
+            return _split(os.environ[env])
+    try:
+        import torch
+    except ImportError:
+        return []
+    return [str(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+
+
+def workers_per_gpu(n_gpus: int, cores: int | None = None) -> int:
+    text = os.environ.get(PER_GPU_ENV)
+    if text:
+        try:
+            n = int(text)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise ValueError(f"{PER_GPU_ENV}={text!r}: expected a whole number of workers >= 1")
+        return n
+    cores = cores or os.cpu_count() or 1
+    return max(1, cores // 2 // max(1, n_gpus))
+
+
+def gpu_of(worker: str, listed: list[str]) -> str | None:
+    """The GPU of xdist worker ``gwN``: round-robin over the list, so -n k spreads evenly."""
+    if not listed or not worker.startswith("gw") or not worker[2:].isdigit():
+        return None
+    return listed[int(worker[2:]) % len(listed)]
+
+
+def pin(worker: str, listed: list[str]) -> str | None:
+    """In a worker, before CUDA is initialized: see only its GPU. Returns that GPU, or None."""
+    gpu = gpu_of(worker, listed)
+    if gpu is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpu
+        os.environ[RAN_ON_ENV] = f"GPU {gpu} of {','.join(listed)} (xdist worker {worker})"
+    return gpu
+
+
+def ran_on() -> str | None:
+    """The GPU this process was pinned to, in words, for a failure report."""
+    return os.environ.get(RAN_ON_ENV)
