@@ -61,6 +61,14 @@ def limits() -> dict:
 TILE_SIZES = (16, 32, 48, 64, 96, 128, 256)
 
 
+def other_length(top: int):
+    """The length of one more sequence of a batch (packed, or in a cache): empty, one token, a
+    common tile's edge, anywhere, or in the upper half (one long sequence among short ones)."""
+    edges = sorted({n for t in TILE_SIZES for n in (t - 1, t, t + 1) if n <= top})
+    return st.one_of(st.sampled_from((0, 1)), st.sampled_from(edges or [top]), st.integers(0, top),
+                     st.integers(max(1, top // 2), top))
+
+
 def lengths(block: int, top: int, reach: int | None = None):
     """A sequence length: small first, then the boundaries around one and two blocks, and
     lengths around the tile sizes real kernels use.

@@ -85,13 +85,6 @@ class Cached:
         return call
 
 
-def _other_length(top: int):
-    """Another sequence's cache length: empty, one token, a tile's edge, anywhere, or long."""
-    edges = sorted({n for t in fs_draw.TILE_SIZES for n in (t - 1, t, t + 1) if n <= top})
-    return st.one_of(st.sampled_from((0, 1)), st.sampled_from(edges or [top]), st.integers(0, top),
-                     st.integers(max(1, top // 2), top))
-
-
 @st.composite
 def cached_batches(draw, impl=None, append=None, **case_kw):
     """A template case (fs.cases(**case_kw), batch 1), up to MAX_SEQUENCES - 1 more cache lengths,
@@ -103,7 +96,7 @@ def cached_batches(draw, impl=None, append=None, **case_kw):
         case = case.replace(alibi=tuple(case.alibi[0]))  # per-batch slopes: one sequence's row
     case = case.replace(batch=1, dropout_p=0.0, dropout_seed=0)
     top = fs_draw.limits()["seq"]
-    more = draw(st.lists(_other_length(top), max_size=MAX_SEQUENCES - 1), label="more sequences")
+    more = draw(st.lists(fs_draw.other_length(top), max_size=MAX_SEQUENCES - 1), label="more sequences")
     first = draw(st.integers(0, len(more)), label="position of the template") if more else 0
     c = Cached(case, tuple(more[:first] + [case.sk] + more[first:]))
     if append or (append is None and getattr(impl, "kv_append", False) and draw(st.booleans(), label="append")):

@@ -69,13 +69,6 @@ class Packed:
                 for b in range(len(self.lengths))]
 
 
-def _other_length(top: int):
-    """A length of another sequence: empty, one token, a common tile's edge, anywhere, or long."""
-    edges = sorted({n for t in fs_draw.TILE_SIZES for n in (t - 1, t, t + 1) if n <= top})
-    return st.one_of(st.sampled_from((0, 1)), st.sampled_from(edges or [top]), st.integers(0, top),
-                     st.integers(max(1, top // 2), top))
-
-
 @st.composite
 def packed_batches(draw, **case_kw):
     """A template case (fs.cases(**case_kw), batch 1) and up to MAX_SEQUENCES - 1 more sequences.
@@ -87,7 +80,7 @@ def packed_batches(draw, **case_kw):
         case = case.replace(alibi=tuple(case.alibi[0]))  # per-batch slopes: one sequence's row
     case = case.replace(batch=1, dropout_p=0.0, dropout_seed=0)
     top = fs_draw.limits()["seq"]
-    more = draw(st.lists(st.tuples(_other_length(top), _other_length(top)), max_size=MAX_SEQUENCES - 1),
+    more = draw(st.lists(st.tuples(fs_draw.other_length(top), fs_draw.other_length(top)), max_size=MAX_SEQUENCES - 1),
                 label="more sequences")
     first = draw(st.integers(0, len(more)), label="position of the template") if more else 0
     lengths = more[:first] + [(case.sq, case.sk)] + more[first:]
