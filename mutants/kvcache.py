@@ -45,10 +45,10 @@ def _kernel(bug):
         b, hq, sq = q.shape[:3]
         o = torch.zeros(b, hq, sq, v_cache.shape[-1], dtype=q.dtype)
         lse = torch.full((b, hq, sq), float("-inf"), dtype=q.dtype)
+        room = page * (len(table[0]) if table is not None else 1)  # positions a sequence can hold
         for i, n in enumerate(lengths):
             if k_new is not None:
                 start = n + (bug == "appends_one_slot_late")
-                room = page * (len(table[0]) if table is not None else 1)
                 where, at = _positions(bug, i, min(start + sq, room), page, table)
                 keep = slice(start, start + sq)
                 for cache, new in ((k_cache, k_new), (v_cache, v_new)):
@@ -57,7 +57,6 @@ def _kernel(bug):
             n_read = n + 1 if bug == "reads_past_cache_seqlens" else n
             if bug == "partial_last_page_dropped" and table is not None:
                 n_read = n // page * page
-            room = page * (len(table[0]) if table is not None else 1)
             n_read = min(n_read, room)
             where, at = _positions(bug, i, n_read, page, table)
             k, v = k_cache[where, :, at].transpose(0, 1), v_cache[where, :, at].transpose(0, 1)
