@@ -185,8 +185,12 @@ def _dense_torch(case: AttentionCase, dtype: str) -> dict:
 
 def result_dtype(dtype: str, name: str) -> str:
     """O and the gradients come back in the input dtype; LSE in float32 at least, as in
-    FlashAttention and SDPA, because an LSE overflows float16 long before the logits do."""
-    return "float32" if name == "lse" and dtype in HALF else dtype
+    FlashAttention and SDPA, because an LSE overflows float16 long before the logits do. The sink
+    logits are passed as float32 whatever the inputs (the feature contract), so their gradient is
+    float32 for float64 inputs too."""
+    if name == "lse" and dtype in HALF:
+        return "float32"
+    return "float32" if name == "dsinks" and dtype == "float64" else dtype
 
 
 def half_spacing(x: np.ndarray, dtype: str) -> np.ndarray:
@@ -225,11 +229,13 @@ def _naive_allowed(case: AttentionCase) -> dict:
            "dk": sc * (_swap(abs_ds) @ np.abs(pt.q)).sum(2).max(initial=0)}
     if pt.psink is not None:  # dsinks_h = -sum over batch and rows of P_sink * rowsum(dO * O)
         mag["dsinks"] = (pt.psink * (ado * np.abs(pt.o)).sum(-1)).sum(axis=(0, 3)).max(initial=0)
-    acc = EPS["float64" if case.dtype == "float64" else "float32"]
     out = {}
     for n in mag:
+        # dsinks of float64 inputs is float32, summed over batch and rows (per sequence, per split...)
+        acc = EPS["float64" if result_dtype(case.dtype, n) == "float64" else "float32"]
         dense_err = 0.0 if case.dtype == "float64" else max_error(plain[n], t[n], result_dtype(case.dtype, n))
-        out[n] = K_NAIVE[n] * dense_err + FLOOR_NAIVE * (acc * (1 + t.logit_max) + EPS[case.dtype]) * mag[n]
+        out[n] = K_NAIVE[n] * dense_err + FLOOR_NAIVE * (acc * (1 + t.logit_max) + EPS[result_dtype(case.dtype, n)]) \
+            * mag[n]
     return out
 
 
