@@ -144,3 +144,16 @@ def assert_agree(who, case, checks, slack=(0.0, 0.0, 0.0)):
         assert abs(numeric - analytic) <= bound + extra, (
             f"{who}: d{name} along a random direction: central difference {numeric:.12g}, from the gradient "
             f"{analytic:.12g}, |diff| {abs(numeric - analytic):.3e} > allowed {bound + extra:.3e}\n  case: {case!r}")
+
+
+def assert_one_change_is_refused(impl, args, kw, change, word: str, own=()):
+    """The valid call runs; then ``change(kw)`` (exactly one malformed input) must raise, and our own
+    built-ins (``own``) must name ``word`` in the error."""
+    import pytest
+
+    impl.fn(*args, **kw)  # the valid call runs, so a refusal below is about the one change
+    change(kw)
+    with pytest.raises(Exception) as info:
+        impl.fn(*args, **kw)
+    if impl.name in own:
+        assert word in str(info.value), f"{impl.name}: expected the error to name {word!r}, got: {info.value}"

@@ -5,6 +5,7 @@ from hypothesis import example, given, note
 
 from flashcheck import oracle as orc
 from flashcheck.contract import cache
+from flashcheck.properties import helpers as ph
 from flashcheck.strategies import AttentionCase as Case
 from flashcheck.strategies import draw as fs_draw
 from flashcheck.strategies import kvcache as fk
@@ -139,17 +140,6 @@ def test_malformed_cache_seqlens_raise_a_named_error(impl, bad):
     if case is None:
         pytest.skip(f"{impl.name}: its supports() refuses the starting case")
     c = Cached(case, (case.sk, 3), page_size=(impl.page_sizes or (16,))[0] if impl.paged else None)
-    inputs = c.call()
-    device = fc.device_for(impl)
-    as_t = lambda x: torch.from_numpy(x).to(device=device, dtype=torch.float32)  # noqa: E731
-    args = (as_t(inputs.q), as_t(inputs.k_cache), as_t(inputs.v_cache))
-    kw = {**fc.kwargs_for(impl, case), "cache_seqlens": torch.tensor(inputs.lengths, dtype=torch.int32, device=device)}
-    if inputs.layout.table is not None:
-        kw["block_table"] = torch.tensor(inputs.layout.table, dtype=torch.int32, device=device)
-    impl.fn(*args, **kw)  # the valid call runs, so a refusal below is about the one change
+    args, kw = cache.tensors(impl, case, c.call(), fc.device_for(impl))
     change, word = BAD_CALLS[bad]
-    change(torch, kw)
-    with pytest.raises(Exception) as info:
-        impl.fn(*args, **kw)
-    if impl.name == "torch-tiled-kvcache":
-        assert word in str(info.value), f"{impl.name}: expected the error to name {word!r}, got: {info.value}"
+    ph.assert_one_change_is_refused(impl, args, kw, lambda kw: change(torch, kw), word, ("torch-tiled-kvcache",))

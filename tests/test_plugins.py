@@ -197,6 +197,12 @@ def test_a_plugin_declaring_nothing_runs_with_the_defaults():
     assert record.dtypes == ("float32",) and record.causal == ("bottom_right",) and not record.has_backward
 
 
+def _few_fixed_examples():
+    from hypothesis import HealthCheck, settings
+
+    return settings(max_examples=8, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
+
+
 def _budgeted(prop, seconds):
     context.begin(budget=seconds, pins=frozenset(getattr(prop, "flashcheck_pins", ())))
     try:
@@ -206,14 +212,14 @@ def _budgeted(prop, seconds):
 
 
 def test_a_spent_time_budget_ends_a_property_after_the_cases_already_run():
-    from hypothesis import HealthCheck, given, settings
+    from hypothesis import given
 
     from flashcheck import strategies as fs
 
     impl = load("numpy-dense")
     ran = []
 
-    @settings(max_examples=8, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @_few_fixed_examples()
     @given(fs.cases())
     def prop(case):
         ran.append(fs.fit(impl, case))
@@ -228,7 +234,7 @@ def test_pins_that_outlast_the_budget_still_leave_one_generated_case():
     and the plugin as "no case fits its declarations"."""
     import time
 
-    from hypothesis import HealthCheck, example, given, settings
+    from hypothesis import example, given
 
     from flashcheck import strategies as fs
 
@@ -236,7 +242,7 @@ def test_pins_that_outlast_the_budget_still_leave_one_generated_case():
     pin = fs.AttentionCase(sq=3, sk=5)
     ran = []
 
-    @settings(max_examples=8, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @_few_fixed_examples()
     @given(fs.cases())
     @example(pin)
     def prop(case):
@@ -253,14 +259,14 @@ def test_a_case_failing_as_the_budget_ends_is_replayed_and_reported_not_called_f
     budget ran out while Hypothesis replayed the failing case, and refused the replay."""
     import time
 
-    from hypothesis import HealthCheck, given, settings
+    from hypothesis import given
 
     from flashcheck import strategies as fs
 
     impl = load("numpy-dense")
     ran = []
 
-    @settings(max_examples=8, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @_few_fixed_examples()
     @given(fs.cases())
     def prop(case):
         ran.append(fs.fit(impl, case))

@@ -89,15 +89,13 @@ class Call:
     num_splits: int = 1
 
 
-def run(impl, case, c: Call, *, device=None, path=None) -> tuple[call.Result, tuple[np.ndarray, np.ndarray]]:
-    """Call a kvcache kernel (case gives dtype, scale and features); returns its Result (o, lse as
-    for dense attention) and the caches as the call left them, float64."""
+def tensors(impl, case, c: Call, device):
+    """(q, k_cache, v_cache) as case.dtype tensors on ``device`` (copies: NaN stays NaN) and the
+    keywords of the call: cache_seqlens, k_new / v_new, block_table, num_splits, the features."""
     import torch
 
-    device = device or call.device_for(impl)
     dt = getattr(torch, case.dtype)
-    as_t = lambda x: torch.tensor(x).to(device=device, dtype=dt)  # noqa: E731  (copies: NaN stays NaN)
-    q, kc, vc = as_t(c.q), as_t(c.k_cache), as_t(c.v_cache)
+    as_t = lambda x: torch.tensor(x).to(device=device, dtype=dt)  # noqa: E731
     kw = call.kwargs_for(impl, case, tensor=lambda a: torch.from_numpy(a).to(device))
     kw["cache_seqlens"] = torch.tensor(c.lengths, dtype=torch.int32, device=device)
     if c.k_new is not None:
@@ -106,6 +104,13 @@ def run(impl, case, c: Call, *, device=None, path=None) -> tuple[call.Result, tu
         kw["block_table"] = torch.tensor(c.layout.table, dtype=torch.int32, device=device)
     if impl.splits:
         kw["num_splits"] = c.num_splits
+    return (as_t(c.q), as_t(c.k_cache), as_t(c.v_cache)), kw
+
+
+def run(impl, case, c: Call, *, device=None, path=None) -> tuple[call.Result, tuple[np.ndarray, np.ndarray]]:
+    """Call a kvcache kernel (case gives dtype, scale and features); returns its Result (o, lse as
+    for dense attention) and the caches as the call left them, float64."""
+    (q, kc, vc), kw = tensors(impl, case, c, device or call.device_for(impl))
     with call._grad_mode(path or "plain"):
         out = call._call(impl, case, q, kc, vc, **kw)
     o, lse = call._split(impl, out, impl.name)
