@@ -61,10 +61,45 @@ def pin(worker: str, listed: list[str]) -> str | None:
     gpu = gpu_of(worker, listed)
     if gpu is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = gpu
-        os.environ[RAN_ON_ENV] = f"GPU {gpu} of {','.join(listed)} (xdist worker {worker})"
+        os.environ[RAN_ON_ENV] = f"GPU {gpu} (of the {len(listed)} listed: {','.join(listed)}; xdist worker {worker})"
     return gpu
 
 
 def ran_on() -> str | None:
     """The GPU this process was pinned to, in words, for a failure report."""
     return os.environ.get(RAN_ON_ENV)
+
+
+def lost_context() -> str | None:
+    """Whether this process's CUDA context is lost, and to what: a kernel that faults (a misaligned
+    or illegal address, a device-side assert) leaves a sticky error that every later CUDA call in
+    the process raises again, so each later test would fail for it. Cheap: one tiny kernel."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    try:
+        torch.ones(1, device="cuda").add_(1)
+        torch.cuda.synchronize()
+    except Exception as exc:  # noqa: BLE001 - whatever the fault, the context is unusable
+        return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]}"
+    return None
+
+
+def stop_if_lost(item) -> None:
+    """After a test: if the CUDA context is lost, end this process's run with a line that says why.
+    An xdist worker exits, and xdist starts a fresh one for the tests left (it reports the test
+    that ran last as the one the worker crashed in: the test whose kernel faulted, or the one after
+    it, as the fault surfaces at the next synchronization)."""
+    err = lost_context()
+    if err is None:
+        return
+    line = (f"flashcheck: the CUDA context of this process was lost during or just after {item.nodeid} ({err}): "
+            "a kernel faulted, and every later CUDA call here would fail for it")
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import sys
+
+        print(line + "; this xdist worker exits and a fresh one takes the remaining tests", file=sys.stderr, flush=True)
+        os._exit(3)
+    item.session.shouldstop = line + "; the run stops (under pytest-xdist, -n N, a fresh worker takes over)"

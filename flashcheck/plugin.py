@@ -397,6 +397,18 @@ def _seconds(text: str) -> float:
     return seconds
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """After each test's reports: a lost CUDA context ends this process's run (flashcheck/devices.py)."""
+    try:
+        return (yield)
+    finally:
+        if not getattr(item.config, "flashcheck_idle", False):
+            from flashcheck import devices
+
+            devices.stop_if_lost(item)
+
+
 def pytest_runtest_teardown(item):
     from flashcheck.database import PerImplementation
     from flashcheck.strategies import context

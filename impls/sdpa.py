@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from flashcheck.contract import KnownIssue, implementation
+from flashcheck.contract.memory import DEFAULT, MEMORY
 from flashcheck.contract.checks import alignment, check_features, check_inputs, check_tensors
 from flashcheck.oracle.rounding import DTYPES
 
@@ -173,7 +174,9 @@ def _register(name, backend, *, devices, dtypes, gqa=HAS_GQA, head_dims=(1, 256)
     attention.__doc__ = f"torch SDPA pinned to SDPBackend.{backend.name} (see impls/sdpa.py)."
     implementation(name=name, causal=("top_left",), dtypes=dtypes, devices=devices, backward=True,
                    gqa=gqa, lse=False, framework="torch", head_dims=head_dims, equal_head_dims=equal_head_dims,
-                   known_issues=known_issues, precision=precision, window=masks)(attention)
+                   known_issues=known_issues, precision=precision, window=masks,
+                   # the math backend is plain matmuls: any view; the fused ones vectorize their loads
+                   layouts=tuple(MEMORY) if backend == SDPBackend.MATH else DEFAULT)(attention)
     return attention
 
 

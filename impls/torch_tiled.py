@@ -23,6 +23,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from flashcheck.contract import implementation
+from flashcheck.contract.memory import MEMORY
 from flashcheck.impls import counter_rng
 from flashcheck.oracle.rounding import DTYPES
 from flashcheck.contract.checks import alignment, check_blocks, check_features, check_inputs, check_varlen, offset
@@ -276,7 +277,8 @@ def dropout_mask(q, k, v, p, seed):
 
 @implementation(name=WHO, causal=("bottom_right", "top_left"), dtypes=DTYPES, devices=("cpu", "cuda"),
                 backward=True, gqa=True, lse=True, framework="torch", blocks="any",
-                window=True, softcap=True, alibi=True, sinks=True, dropout=True, dropout_mask=dropout_mask)
+                window=True, softcap=True, alibi=True, sinks=True, dropout=True, dropout_mask=dropout_mask,
+                layouts=tuple(MEMORY))
 def attention(q, k, v, *, causal=False, scale=None, block_q=256, block_k=256, window=(-1, -1), softcap=0.0,
               alibi_slopes=None, sinks=None, dropout_p=0.0, dropout_seed=0):
     """Tiled FlashAttention. Returns O in the input dtype and LSE (float32 for fp16/bf16 inputs);

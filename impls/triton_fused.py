@@ -46,6 +46,7 @@ import torch
 import triton
 
 from flashcheck.contract import implementation
+from flashcheck.contract.memory import MEMORY
 from flashcheck.contract.checks import alignment, check_inputs, dtype_name, offset
 from flashcheck.impls import triton_kernels as K
 
@@ -367,6 +368,7 @@ def flash_attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0
 DECLARED = dict(causal=("bottom_right", "top_left"), dtypes=DTYPES, devices=("cpu",) if INTERPRET else ("cuda",),
                 backward=True, gqa=True, lse=True, framework="torch", blocks=BLOCKS, head_dims=(1, 256),
                 max_seq=INTERPRET_MAX_SEQ, window=True, softcap=True, alibi=True, sinks=True,
+                layouts=tuple(MEMORY),  # Triton specializes on pointer alignment: any view works
                 # On CPU, in Triton's interpreter, the full property run takes about 13 CPU-minutes: opt-in
                 # there (pytest -m "properties and interpreter" --impl triton-fused); CI still runs the
                 # Triton mutants through the interpreter (mutants/test_mutants.py).

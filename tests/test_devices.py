@@ -63,3 +63,24 @@ def test_a_failure_names_the_gpu_it_ran_on(monkeypatch):
     failure = report.Failure(load("numpy-dense"), "test_x", AttentionCase(), AssertionError("o: wrong"), "")
     text = failure.render(None)
     assert "ran on GPU 6 of 4,6 (xdist worker gw1)" in text, f"the report does not name the GPU:\n{text}"
+
+
+def test_a_lost_cuda_context_stops_the_run_with_a_line_that_says_why(monkeypatch):
+    class Session:
+        shouldstop = False
+
+    class Item:
+        nodeid, session = "properties/test_forward.py::test_x[k]", Session()
+
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    monkeypatch.setattr(devices, "lost_context", lambda: None)
+    devices.stop_if_lost(Item)
+    assert Item.session.shouldstop is False, "a healthy context must not stop the run"
+    monkeypatch.setattr(devices, "lost_context", lambda: "AcceleratorError: CUDA error: misaligned address")
+    devices.stop_if_lost(Item)
+    stop = str(Item.session.shouldstop)
+    assert "test_x[k]" in stop and "misaligned address" in stop, f"expected the test and the error, got {stop!r}"
+
+
+def test_a_process_without_cuda_has_no_lost_context():
+    assert devices.lost_context() is None, "on a machine without CUDA nothing can be lost"

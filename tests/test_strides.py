@@ -17,13 +17,33 @@ X = np.arange(1 * 2 * 3 * 4, dtype=np.float64).reshape(1, 2, 3, 4)
 def test_every_layout_holds_the_same_values(kind):
     t = memory.lay(torch, X, kind, device="cpu", dtype=torch.float32)
     assert t.shape == X.shape and np.array_equal(t.numpy(), X), f"{kind}: values changed"
-    want = {"contiguous": (24, 12, 4, 1), "bshd": (24, 4, 8, 1), "padded": (42, 21, 7, 1), "offset": (24, 12, 4, 1),
-            "broadcast": (0, 12, 4, 1)}[kind]
+    want = {"contiguous": (24, 12, 4, 1), "bshd": (24, 4, 8, 1), "padded": (48, 24, 8, 1), "offset": (24, 12, 4, 1),
+            "broadcast": (0, 12, 4, 1), "unaligned": (42, 21, 7, 1)}[kind]
     assert t.stride() == want, f"{kind}: expected strides {want}, got {t.stride()}"
-    assert t.storage_offset() == (memory.OFFSET if kind == "offset" else 0), f"{kind}: storage offset"
+    offset = {"offset": 12, "unaligned": 61}.get(kind, 0)  # 48 bytes of float32; an odd count
+    assert t.storage_offset() == offset, f"{kind}: expected storage offset {offset}, got {t.storage_offset()}"
 
 
-@pytest.mark.parametrize("kind", ["padded", "offset"])
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+@pytest.mark.parametrize("kind", sorted(memory.DEFAULT))
+def test_the_default_layouts_keep_pointers_and_row_strides_16_byte_aligned(kind, dtype):
+    for d in (1, 3, 8, 13):
+        x = np.ones((2, 1, 3, d))
+        t = memory.lay(torch, x, kind, device="cpu", dtype=getattr(torch, dtype))
+        size = t.element_size()
+        assert t.data_ptr() % 16 == 0, f"{kind}, {dtype}, D={d}: data pointer off 16-byte alignment"
+        if kind in ("padded", "offset"):
+            assert t.stride(-2) * size % 16 == 0 or t.stride(-2) == d, f"{kind}, {dtype}, D={d}: row stride {t.stride(-2)}"
+
+
+def test_the_unaligned_layout_is_off_alignment_and_drawn_only_where_declared():
+    t = memory.lay(torch, np.ones((1, 1, 3, 8)), "unaligned", device="cpu", dtype=torch.float16)
+    assert t.data_ptr() % 16 and t.stride(-2) * 2 % 16, "unaligned: expected a pointer and a row stride off alignment"
+    assert fs.fit(load("sdpa-flash"), Case(memory="unaligned")).memory == "contiguous", "undeclared: not drawn"
+    assert fs.fit(load("torch-tiled"), Case(memory="unaligned")).memory == "unaligned", "declared: drawn"
+
+
+@pytest.mark.parametrize("kind", ["padded", "offset", "unaligned"])
 def test_the_margins_around_a_view_hold_nan(kind):
     t = memory.lay(torch, X, kind, device="cpu", dtype=torch.float32)
     storage = torch.as_strided(t, (t.untyped_storage().nbytes() // 4,), (1,), 0)

@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable
 
-from flashcheck.contract.memory import MEMORY
+from flashcheck.contract.memory import DEFAULT as DEFAULT_LAYOUTS, MEMORY
 from flashcheck.oracle.rounding import DTYPES, PRECISIONS
 from flashcheck.strategies import feature_table
 
@@ -78,7 +78,8 @@ class Implementation:
     supports: Callable | None = None  # case -> True, or False / a reason string when it cannot run it
     scale_arg: bool = True  # False: the function takes no scale= and always uses 1/sqrt(D)
     deterministic: bool = False  # repeated calls on one input are bitwise identical (checked)
-    layouts: tuple[str, ...] = tuple(MEMORY)  # how its torch inputs may lie in memory (contract/memory.py)
+    layouts: tuple[str, ...] = DEFAULT_LAYOUTS  # how its torch inputs may lie (contract/memory.py); add "unaligned"
+    # where it takes pointers and row strides off 16-byte alignment
     # Layouts (docs/features.md): a kernel that declares one is called only in it.
     varlen: bool = False  # packed sequences: f(q (Tq, Hq, D), k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ...)
     kvcache: bool = False  # decoding against a cache: f(q, k_cache, v_cache, *, cache_seqlens, ...), forward only

@@ -4,7 +4,8 @@ The values of q, k, v and dO never depend on it; only the strides and the storag
 do. Kernels that read through raw pointers with assumed strides (flash_attn_func users pass
 BSHD tensors transposed to BHSD; GQA callers expand K/V; slices of fused QKV buffers carry a
 storage offset and a row stride wider than D) compute the wrong thing, or read the margins,
-which hold NaN. A kernel declares the layouts it takes with ``layouts=`` (default: every one).
+which hold NaN. A kernel declares the layouts it takes with ``layouts=`` (default: every one but
+"unaligned", which a kernel adds where it takes any pointer alignment).
 The gradients a kernel returns are checked by value only: their strides are its own business.
 """
 from __future__ import annotations
@@ -14,11 +15,28 @@ import numpy as np
 MEMORY = {
     "contiguous": "fresh contiguous (B, H, S, D) tensors",
     "bshd": "(B, S, H, D) tensors viewed as (B, H, S, D), as flash_attn_func users transpose them",
-    "padded": "each row a slice of a wider row whose last 3 entries are NaN (last-dimension stride D + 3)",
-    "offset": "views starting 61 elements into their storage, NaN before them (a storage offset)",
+    "padded": "each row a slice of a wider row, NaN after it (a row stride past D, 16-byte aligned)",
+    "offset": "views starting 48 bytes into their storage, NaN before them (a storage offset, 16-byte aligned)",
     "broadcast": "a batch or head count of 1 with stride 0, as expand() leaves it (GQA's K/V heads, one batch entry)",
+    "unaligned": "views 61 elements into their storage with rows of D + 3 elements: pointers and row strides "
+                 "off 16-byte alignment",
 }
-PAD, OFFSET = 3, 61
+# Drawn unless a kernel narrows them. Views into real buffers (a fused QKV projection, a slice of a
+# cache) keep the 16-byte alignment of the allocator, and vectorized CUDA kernels (FlashAttention,
+# cuDNN, JAX's DLPack import) rely on it: a misaligned pointer is an error that kills the process's
+# CUDA context. So "unaligned" is drawn only for a kernel that declares it takes any alignment.
+DEFAULT = tuple(k for k in MEMORY if k != "unaligned")
+ALIGN = 16  # bytes
+ODD_OFFSET, ODD_PAD = 61, 3  # elements, for "unaligned"
+
+
+def _in_storage(torch, t, offset: int, row: int):
+    """``t`` as a view ``offset`` elements into a NaN storage whose rows hold ``row`` >= D elements."""
+    d = t.shape[-1]
+    base = torch.full((offset + t[..., 0].numel() * row,), float("nan"), device=t.device, dtype=t.dtype)
+    view = base[offset:].view(*t.shape[:-1], row)[..., :d]
+    view.copy_(t)
+    return view
 
 
 def lay(torch, x: np.ndarray, kind: str, *, device, dtype):
@@ -26,16 +44,15 @@ def lay(torch, x: np.ndarray, kind: str, *, device, dtype):
     if kind not in MEMORY:
         raise ValueError(f"memory layout {kind!r}: expected one of {tuple(MEMORY)}")
     t = torch.tensor(x).to(device=device, dtype=dtype)  # a copy: nothing shares the caller's array
+    per = max(1, ALIGN // t.element_size())  # elements in 16 bytes
     if kind == "bshd":
         return t.transpose(1, 2).contiguous().transpose(1, 2)
     if kind == "padded":
-        base = torch.full((*t.shape[:-1], t.shape[-1] + PAD), float("nan"), device=device, dtype=dtype)
-        base[..., :t.shape[-1]] = t
-        return base[..., :t.shape[-1]]
+        return _in_storage(torch, t, 0, -(-t.shape[-1] // per) * per + per)
     if kind == "offset":
-        flat = torch.full((OFFSET + t.numel(),), float("nan"), device=device, dtype=dtype)
-        flat[OFFSET:] = t.reshape(-1)
-        return flat[OFFSET:].view(t.shape)
+        return _in_storage(torch, t, 3 * per, t.shape[-1])
+    if kind == "unaligned":
+        return _in_storage(torch, t, ODD_OFFSET, t.shape[-1] + ODD_PAD)
     if kind == "broadcast":
         return t.as_strided(t.shape, [0 if n == 1 and i < 2 else s for i, (n, s) in enumerate(zip(t.shape, t.stride()))])
     return t

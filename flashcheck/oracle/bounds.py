@@ -157,8 +157,12 @@ def _scores(case, pt, pr: Precision, u: Units) -> Scores:
     # A score's error, relative in P: its dot product (D roundings, each at most u |partial sum|: in
     # variance about u^2/3 (D/2 sum_d (q_d k_d)^2 + D/3 s^2), whether the terms' signs are random or
     # alike), the scale and log2(e) products, the max or LSE subtracted before exp, exp itself, and
-    # for TF32 the rounding of q and k.
-    local = u.acc * (4 + 2 * np.abs(pt.s - m))
+    # for TF32 the rounding of q and k. What a feature adds to the score (ALiBi's distance term,
+    # the softcap's change) rounds at its own magnitude, twice: when added and in the log2(e)
+    # product of an exp2 kernel; a large ALiBi term can dwarf the dot product.
+    features = case.alibi is not None or bool(case.softcap)
+    added = np.abs(np.where(vis, pt.s, 0.0) - np.where(vis, pt.scale * (q @ _swap(k)), 0.0)) if features else 0.0
+    local = u.acc * (4 + 2 * np.abs(pt.s - m) + 2 * added)
     worst = np.where(vis, u.inp * 2 * abs_s + u.acc * d * abs_s + local, 0.0)
     var = np.where(vis, u.acc ** 2 / 3 * (d / 2 * sq_s + d / 3 * pt.s ** 2)
                    + VAR * (local ** 2 + (u.inp * 2 * abs_s) ** 2), 0.0)
