@@ -262,6 +262,17 @@ def split_points(splits: list[int]) -> list[int]:
     return sorted({splits[0], splits[len(splits) // 2], splits[-1]} | ({16} & set(splits)))
 
 
+def layout(shape: Shape, candidates: tuple[Shape, ...]) -> str:
+    """The memory layout of a shape's cases. Strides and alignment are compile-time values too
+    (Triton specializes on 16-divisibility, torch.compile guards on strides), so the layout belongs
+    to the bucket: the shapes take the layouts in turn, plainest shape contiguous, and every layout
+    meets a few shapes per run (which ones changes with the seed, as the shapes do)."""
+    from flashcheck.contract.memory import MEMORY
+
+    kinds = tuple(MEMORY)
+    return kinds[candidates.index(shape) % len(kinds)] if shape in candidates else "contiguous"
+
+
 def block_sizes():
     """A block size among those of the run's shapes."""
     return st.deferred(lambda: st.sampled_from(block_values(run_shapes())))
@@ -282,7 +293,8 @@ def cases(draw, dtypes, causal=None, regimes=None, masked_rows=False, masked_key
 
     relation = ("masked_rows" if masked_rows else "masked_keys" if masked_keys
                 else "equal_lengths" if equal_lengths else "any")
-    shape = draw(shape_strategy(run_shapes(), relation), label="shape bucket")
+    candidates = run_shapes()
+    shape = draw(shape_strategy(candidates, relation), label="shape bucket")
     align = "bottom_right" if masked_rows else "top_left" if masked_keys else _causal(draw, causal)
     scale = draw(st.one_of(st.sampled_from(SCALES), st.floats(0.01, 4.0)), label="scale")
     dtype = draw(st.sampled_from(dtypes), label="dtype")
@@ -290,7 +302,8 @@ def cases(draw, dtypes, causal=None, regimes=None, masked_rows=False, masked_key
     seed_ = draw(st.integers(0, 2**32 - 1), label="seed")
     f = shape.fields
     extra = draw(feature_fields(features, batch=f["batch"], hq=f["hq"], seq=limits()["seq"])) if features else {}
-    return AttentionCase(**f, causal=align, scale=scale, dtype=dtype, regime=regime, seed=seed_, **extra)
+    return AttentionCase(**f, causal=align, scale=scale, dtype=dtype, regime=regime, seed=seed_,
+                         memory=layout(shape, candidates), **extra)
 
 
 @st.composite
@@ -299,8 +312,9 @@ def long_cases(draw, dtypes, causal=None, regimes=None):
     from flashcheck.strategies.case import AttentionCase
     from flashcheck.strategies.draw import SCALES
 
-    shape = draw(shape_strategy(run_long_shapes()), label="long shape bucket")
-    return AttentionCase(**shape.fields, causal=_causal(draw, causal),
+    candidates = run_long_shapes()
+    shape = draw(shape_strategy(candidates), label="long shape bucket")
+    return AttentionCase(**shape.fields, causal=_causal(draw, causal), memory=layout(shape, candidates),
                          scale=draw(st.sampled_from(SCALES), label="scale"),
                          dtype=draw(st.sampled_from(dtypes), label="dtype"),
                          regime=draw(st.sampled_from(regimes), label="regime"),

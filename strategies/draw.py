@@ -112,9 +112,15 @@ def cases(draw, *, dtypes=None, causal=None, regimes=REGIMES, masked_rows=False,
     case with keys no query sees; ``regimes`` narrows the logits; ``features`` names the
     features (strategies/features.py) that may be drawn on, each shrinking to off.
     """
+    if _bucketed():  # the layout comes with the shape's bucket (strategies/buckets.py)
+        return draw(_cases(dtypes, causal, regimes, masked_rows, masked_keys, equal_lengths, features))
     # how a torch kernel's inputs lie in memory, independent of their values (contract/memory.py)
     memory = draw(st.sampled_from(tuple(MEMORY)), label="memory")
     return draw(_cases(dtypes, causal, regimes, masked_rows, masked_keys, equal_lengths, features)).replace(memory=memory)
+
+
+def _bucketed() -> bool:
+    return buckets.active(_profile()) and not fixed_tiles()
 
 
 @st.composite
@@ -128,7 +134,7 @@ def _cases(draw, dtypes, causal, regimes, masked_rows, masked_keys, equal_length
         return draw(long_cases(half, causal, regimes))
     # the gpu lane: shapes from a small set per run (strategies/buckets.py); a kernel's declared tiles
     # need the lengths around them instead
-    if buckets.active(_profile()) and not fixed_tiles():
+    if _bucketed():
         return draw(buckets.cases(dtypes, causal, regimes, masked_rows, masked_keys, equal_lengths, features))
     batch = draw(st.integers(1, lim["batch"]), label="batch")
     hkv = draw(st.integers(1, lim["heads"]), label="hkv")

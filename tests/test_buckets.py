@@ -47,9 +47,21 @@ def test_every_drawn_shape_comes_from_the_runs_set(on, kind):
     assert len({_shape_of(c) for c in drawn}) > 1, "expected several shapes of the set, drew one"
     if kind == "long":
         assert any(_shape_of(c) in buckets.run_long_shapes() for c in drawn), "expected the long region, drew none"
+    for c in drawn:  # the layout is compile-relevant: it comes with the shape
+        shape = _shape_of(c)
+        want = buckets.layout(shape, on if shape in on else buckets.run_long_shapes())
+        assert c.memory == want, f"expected the layout of {shape} ({want}), drew {c.memory}"
     # what the buckets leave free still varies: scales, seeds, regimes
     for field in ("scale", "seed", "regime"):
         assert len({getattr(c, field) for c in drawn}) > 2, f"expected {field} to vary, got one value"
+
+
+def test_every_layout_meets_some_shape_of_the_run_and_the_plainest_is_contiguous(on):
+    from flashcheck.contract.memory import MEMORY
+
+    got = [buckets.layout(s, on) for s in on]
+    assert got[0] == "contiguous", f"expected the plainest shape contiguous, got {got[0]}"
+    assert set(got) == set(MEMORY), f"expected every layout among the run's shapes, got {sorted(set(got))}"
 
 
 def test_a_second_tiling_uses_the_block_sizes_of_the_runs_shapes(on):
