@@ -88,11 +88,12 @@ def _sdpa(q, k, v, backend, causal: bool, scale, attn_mask=None):
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, attn_mask=attn_mask, **kw)
 
 
-def feature_mask(q, k, causal: bool, window, alibi_slopes):
-    """The window and the ALiBi bias as SDPA's additive float attn_mask (B or 1, Hq, Sq, Sk), with the
-    top-left causal mask folded in (SDPA refuses attn_mask together with is_causal); None when unneeded."""
+def feature_mask(q, k, causal: bool, window, alibi_slopes, attn_mask=None):
+    """The window, the ALiBi bias and a bool attn_mask (True = may attend) as SDPA's additive float
+    attn_mask (B or 1, Hq or 1, Sq, Sk), with the top-left causal mask folded in (SDPA refuses
+    attn_mask together with is_causal); None when unneeded."""
     window = (-1, -1) if window is None else tuple(window)
-    if window == (-1, -1) and alibi_slopes is None:
+    if window == (-1, -1) and alibi_slopes is None and attn_mask is None:
         return None
     sq, sk = q.shape[2], k.shape[2]
     cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -109,7 +110,9 @@ def feature_mask(q, k, causal: bool, window, alibi_slopes):
     if alibi_slopes is not None:
         slopes = alibi_slopes.to(cdt).expand(q.shape[0], q.shape[1])[:, :, None, None]
         bias = bias - slopes * dist.abs().to(cdt)
-    return bias.masked_fill(hidden, float("-inf")).to(q.dtype)
+    if attn_mask is not None:
+        hidden = hidden | ~attn_mask
+    return torch.where(hidden, float("-inf"), bias).to(q.dtype)
 
 
 def call_sdpa(q, k, v, *, backend, causal: bool, scale, head_dim_multiple=1, min_keys=1, square_causal=False,
@@ -146,11 +149,11 @@ def call_sdpa(q, k, v, *, backend, causal: bool, scale, head_dim_multiple=1, min
 def _register(name, backend, *, devices, dtypes, gqa=HAS_GQA, head_dims=(1, 256), equal_head_dims=False,
               known_issues=(), precision="fused", masks=False, **adapt):
     """``masks=True``: the backend takes an attn_mask with no shape adaptation, so it declares the
-    window. (ALiBi through attn_mask is not declared: SDPA wants the mask in the input type, which
+    window and mask tensors. (ALiBi through attn_mask is not declared: SDPA wants the mask in the input type, which
     rounds an fp16/bf16 bias to 2-3 digits, 2x past a fused kernel's error on the H200-free CPU run.)"""
     who = name
 
-    def attention(q, k, v, *, causal=False, scale=None, window=None, alibi_slopes=None):
+    def attention(q, k, v, *, causal=False, scale=None, window=None, alibi_slopes=None, attn_mask=None):
         check_tensors(q, k, v, devices=devices, who=who)
         _, hq, hkv, _, _, d, dv = check_inputs(q, k, v, dtypes=dtypes, who=who)
         if hq != hkv and not gqa:
@@ -165,8 +168,9 @@ def _register(name, backend, *, devices, dtypes, gqa=HAS_GQA, head_dims=(1, 256)
             alignment(causal)  # names a malformed value
             raise ValueError(f"{who}: SDPA's is_causal is top-left aligned; {causal!r} is not supported")
         causal = causal in (True, "top_left")
-        window = check_features(q, who=who, window=window, alibi_slopes=alibi_slopes)
-        mask = feature_mask(q, k, causal, window, alibi_slopes)
+        window = check_features(q, who=who, window=window, alibi_slopes=alibi_slopes, attn_mask=attn_mask,
+                                sk=k.shape[2])
+        mask = feature_mask(q, k, causal, window, alibi_slopes, attn_mask)
         return call_sdpa(q, k, v, backend=backend, causal=causal, scale=None if scale is None else float(scale),
                          attn_mask=mask, **adapt)
 
@@ -174,7 +178,7 @@ def _register(name, backend, *, devices, dtypes, gqa=HAS_GQA, head_dims=(1, 256)
     attention.__doc__ = f"torch SDPA pinned to SDPBackend.{backend.name} (see impls/sdpa.py)."
     implementation(name=name, causal=("top_left",), dtypes=dtypes, devices=devices, backward=True,
                    gqa=gqa, lse=False, framework="torch", head_dims=head_dims, equal_head_dims=equal_head_dims,
-                   known_issues=known_issues, precision=precision, window=masks,
+                   known_issues=known_issues, precision=precision, window=masks, mask=masks,
                    # the math backend is plain matmuls: any view; the fused ones vectorize their loads
                    layouts=tuple(MEMORY) if backend == SDPBackend.MATH else DEFAULT)(attention)
     return attention

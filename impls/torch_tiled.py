@@ -52,15 +52,16 @@ def _ungrouped(x: torch.Tensor, b: int, hkv: int) -> torch.Tensor:
 
 class _Features:
     """Everything besides q, k, v that shapes one tile's scores: the causal mask, the window, the
-    softcap, the ALiBi bias, the sinks and the dropout mask (docs/features.md)."""
+    softcap, the ALiBi bias, the sinks, the attn_mask and the dropout mask (docs/features.md)."""
 
-    def __init__(self, *, sq, sk, g, align, scale, window, softcap, slopes, sinks, dropout_p, seed):
+    def __init__(self, *, sq, sk, g, align, scale, window, softcap, slopes, sinks, dropout_p, seed, mask=None):
         self.sq, self.sk, self.g, self.align, self.scale = sq, sk, g, align, scale
         self.off = offset(sq, sk, align)
         left, right = window if window is not None else (-1, -1)
         self.left, self.right = left, right
         self.softcap, self.slopes, self.sinks = softcap, slopes, sinks  # slopes, sinks: (B*Hkv, G) or None
         self.dropout_p, self.seed = dropout_p, seed
+        self.mask = mask  # (B*Hkv, Sq, G, Sk) bool, True = may attend, or None
 
     def key_range(self, q0, q1):
         """[first, last) keys any row of q0:q1 may see: tiles outside are skipped."""
@@ -103,6 +104,8 @@ class _Features:
         if self.right >= 0:
             hidden |= dist > self.right
         tile.masked_fill_(hidden[None, :, None, :], NEG_INF)
+        if self.mask is not None:
+            tile.masked_fill_(~self.mask[:, q0:q1, :, k0:k1], NEG_INF)
         return s, t
 
     def keep_weights(self, q0, q1, k0, k1, like):
@@ -223,14 +226,15 @@ class TiledAttention(torch.autograd.Function):
     """O, LSE = attention(q, k, v); backward recomputes P tile by tile from the saved LSE."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, slopes, cfg):
+    def forward(ctx, q, k, v, sinks, slopes, cfg, mask=None):
         b, hkv = q.shape[0], k.shape[1]
         cdt = _compute_dtype(q.dtype)
         qg = _grouped(q.to(cdt), hkv)
         kg = k.to(cdt).reshape(b * hkv, *k.shape[2:])
         vg = v.to(cdt).reshape(b * hkv, *v.shape[2:])
         ft = _Features(sq=q.shape[2], sk=k.shape[2], g=q.shape[1] // hkv, slopes=_per_group(slopes, b, hkv, cdt),
-                       sinks=_per_group(sinks, b, hkv, cdt), **cfg["features"])
+                       sinks=_per_group(sinks, b, hkv, cdt), **cfg["features"],
+                       mask=None if mask is None else _grouped(mask.expand(b, q.shape[1], -1, -1), hkv))
         og, lse = _forward(qg, kg, vg, ft, **cfg["blocks"])
         # The high-precision O and LSE are what the backward needs (delta and P); both are O(S).
         ctx.save_for_backward(q, k, v, og, lse)
@@ -257,7 +261,7 @@ class TiledAttention(torch.autograd.Function):
             shape, dtype = ctx.sinks_meta
             dsinks = dsinks.view(b, -1).sum(dim=0).reshape(shape).to(dtype)
         return (_ungrouped(dq, b, hkv).to(q.dtype), dk.view(k.shape).to(k.dtype), dv.view(v.shape).to(v.dtype),
-                dsinks, None, None)
+                dsinks, None, None, None)
 
 
 def _check_devices(q, k, v):
@@ -278,27 +282,27 @@ def dropout_mask(q, k, v, p, seed):
 @implementation(name=WHO, causal=("bottom_right", "top_left"), dtypes=DTYPES, devices=("cpu", "cuda"),
                 backward=True, gqa=True, lse=True, framework="torch", blocks="any",
                 window=True, softcap=True, alibi=True, sinks=True, dropout=True, dropout_mask=dropout_mask,
-                layouts=tuple(MEMORY))
+                mask=True, layouts=tuple(MEMORY))
 def attention(q, k, v, *, causal=False, scale=None, block_q=256, block_k=256, window=(-1, -1), softcap=0.0,
-              alibi_slopes=None, sinks=None, dropout_p=0.0, dropout_seed=0):
+              alibi_slopes=None, sinks=None, dropout_p=0.0, dropout_seed=0, attn_mask=None):
     """Tiled FlashAttention. Returns O in the input dtype and LSE (float32 for fp16/bf16 inputs);
     differentiable in q, k, v and sinks.
 
     causal: False, True (= "bottom_right"), "bottom_right" or "top_left" (docs/design.md).
     scale: None means 1/sqrt(D); any float, 0.0 included, is used as given.
     block_q, block_k: tile sizes; any int >= 1 (large tiles are faster, memory is O(block_q * block_k)).
-    window, softcap, alibi_slopes, sinks, dropout_p, dropout_seed: docs/features.md.
+    window, softcap, alibi_slopes, sinks, dropout_p, dropout_seed, attn_mask: docs/features.md.
     """
     _check_devices(q, k, v)
     check_inputs(q, k, v, dtypes=DTYPES, who=WHO)
     check_blocks(block_q, block_k, who=WHO)
     window = check_features(q, who=WHO, window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
-                            dropout_p=dropout_p)
+                            dropout_p=dropout_p, attn_mask=attn_mask, sk=k.shape[2])
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     cfg = {"blocks": dict(block_q=block_q, block_k=block_k),
            "features": dict(align=alignment(causal), scale=scale, window=window, softcap=float(softcap),
                             dropout_p=float(dropout_p), seed=int(dropout_seed))}
-    return TiledAttention.apply(q, k, v, sinks, alibi_slopes, cfg)
+    return TiledAttention.apply(q, k, v, sinks, alibi_slopes, cfg, attn_mask)
 
 
 # Its tiles are its own, as a packed kernel's are: tile bugs are torch-tiled's, drawn there. On CPU its

@@ -25,14 +25,20 @@ def backward(impl, case) -> call.Result:
     return call.run(impl, case, *case.inputs())
 
 
+def _seen(case) -> np.ndarray:
+    """(Sq, Sk): whether any batch entry and head sees key j from row i (a mask tensor varies by both)."""
+    vis = case.visible()
+    return vis if vis.ndim == 2 else vis.any(axis=(0, 1))
+
+
 def masked_rows(case) -> np.ndarray:
-    """Indices of query rows that see no key."""
-    return np.flatnonzero(~case.visible().any(axis=1))
+    """Indices of query rows that see no key, in every batch entry and head."""
+    return np.flatnonzero(~_seen(case).any(axis=1))
 
 
 def masked_keys(case) -> np.ndarray:
-    """Indices of keys that no query sees."""
-    return np.flatnonzero(~case.visible().any(axis=0))
+    """Indices of keys that no query sees, in every batch entry and head."""
+    return np.flatnonzero(~_seen(case).any(axis=0))
 
 
 def kv_heads(case, x):

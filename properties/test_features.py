@@ -1,4 +1,4 @@
-"""Sliding window, softcap, ALiBi and attention sinks: agreement with dense float64, and the
+"""Sliding window, softcap, ALiBi, attention sinks and mask tensors: agreement with dense float64, and the
 metamorphic relations that tie each feature back to plain attention.
 
 Every case is drawn with the features the implementation declares (the others are fitted
@@ -65,6 +65,10 @@ TILE_GRID = (
              alibi=_geometric(4), sinks=(0.0, -1.0, 2.0, -math.inf)),
     _tiles16(hq=2, hkv=1, sq=41, sk=26, dtype="float16", window=(12, 1), causal="top_left", softcap=4.0,
              alibi=(0.25, -0.1), sinks=(1.0, -2.0)),
+    # mask tensors: rows emptied per batch entry and head across tiles; a band per head with ALiBi
+    _tiles16(batch=2, hq=4, hkv=2, sq=40, sk=37, dtype="float32", mask=("rows", True, True, 0.5, 1),
+             causal="bottom_right"),
+    _tiles16(hq=2, hkv=1, sq=33, sk=50, dtype="float16", mask=("band", False, True, 5, 2), alibi=(0.25, -0.1)),
 )
 
 
@@ -85,6 +89,7 @@ def _tile_grid(test):
 @example(case=Case(batch=2, hq=2, sq=4, sk=2, alibi=((0.25, 1.0), (-1.0, 0.0))))  # per-batch slopes
 @example(case=Case(sq=3, sk=1, causal="bottom_right", sinks=(1.5,)))  # masked rows with a sink: O = 0, LSE = sink
 @example(case=Case(sq=2, sk=3, sinks=(1e3,), dtype="float32"))  # a dominant sink: O ~ 0
+@example(case=Case(hq=2, sq=3, sk=4, mask=("random", False, True, 0.0, 0)))  # an all-False mask: every row empty
 def test_output_matches_dense_float64_with_features(impl, case):
     case = fs.fit(impl, case)
     note(f"features on: {case.features}")
@@ -200,6 +205,26 @@ def test_a_sink_of_minus_infinity_equals_no_sink(impl, case):
         assert dsinks is not None and np.array_equal(dsinks, np.zeros(case.hq)), (
             f"{impl.name}: a sink of -inf takes no probability, so its gradient must be 0, got {dsinks}\n"
             f"  case: {gone!r}")
+
+
+@pytest.mark.requires("mask", "causal")
+@given(case=fs.cases(features=FEATURES), per_batch=st.booleans(), per_head=st.booleans())
+@example(case=Case(hq=2, sq=5, sk=3, causal="bottom_right"), per_batch=False, per_head=True)  # masked rows
+def test_a_mask_equal_to_the_causal_mask_equals_causal(impl, case, per_batch, per_head):
+    case = fs.fit(impl, case.replace(mask=None))
+    case = case if case.causal else fs.fit(impl, case.replace(causal=impl.causal[0]))
+    assume(case.causal and case.mask is None)
+    tensor = case.replace(causal=None, mask=("causal", per_batch, per_head, int(case.causal == "bottom_right"), 0))
+    assume(tensor == fs.fit(impl, tensor))  # e.g. a kernel whose non-causal mode takes no masked rows
+    _same(impl, case, tensor, f"attn_mask = the {case.causal} causal mask vs causal={case.causal!r}")
+
+
+@pytest.mark.requires("mask")
+@given(case=fs.cases(features=FEATURES), per_batch=st.booleans(), per_head=st.booleans())
+@example(case=Case(batch=2, hq=2, sq=3, sk=5), per_batch=True, per_head=True)
+def test_an_all_true_mask_equals_no_mask(impl, case, per_batch, per_head):
+    case = fs.fit(impl, case.replace(mask=None))
+    _same(impl, case, case.replace(mask=("random", per_batch, per_head, 1.0, 0)), "an all-True attn_mask vs none")
 
 
 @pytest.mark.requires("alibi")

@@ -85,6 +85,8 @@ class AttentionCase:
     sinks: tuple | None = None  # one sink logit per query head
     dropout_p: float = 0.0
     dropout_seed: int = 0
+    # a boolean attn_mask (True = may attend): (kind, per_batch, per_head, param, seed), built by attn_mask()
+    mask: tuple | None = None
     memory: str = "contiguous"  # how a torch kernel's inputs lie in memory (flashcheck/contract/memory.py)
 
     def __repr__(self):
@@ -151,9 +153,22 @@ class AttentionCase:
     def offset(self) -> int:
         return self.sk - self.sq if self.causal == "bottom_right" else 0
 
+    def attn_mask(self) -> np.ndarray | None:
+        """The mask tensor passed as ``attn_mask``: bool (B or 1, Hq or 1, Sq, Sk), True = may attend."""
+        return None if self.mask is None else mask_array(self.mask, self.batch, self.hq, self.sq, self.sk)
+
     def visible(self) -> np.ndarray:
-        """(Sq, Sk) boolean: which keys each query row sees (the causal mask and the window)."""
-        return visible(self.sq, self.sk, self.causal, window=self.window)
+        """Which keys each query row sees: the causal mask, the window and the attn_mask. (Sq, Sk)
+        without a mask tensor, else (B, Hq, Sq, Sk)."""
+        vis = visible(self.sq, self.sk, self.causal, window=self.window)
+        if self.mask is None:
+            return vis
+        return np.broadcast_to(vis & self.attn_mask(), (self.batch, self.hq, self.sq, self.sk)).copy()
+
+    def visible_grouped(self) -> np.ndarray:
+        """visible() in the grouped layout (B, Hkv, G, Sq, Sk) where it is per batch and head."""
+        vis = self.visible()
+        return vis if vis.ndim == 2 else vis.reshape(self.batch, self.hkv, self.hq // self.hkv, self.sq, self.sk)
 
     @property
     def has_masked_rows(self) -> bool:
@@ -166,6 +181,35 @@ class AttentionCase:
     def inputs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """q, k, v, dO as float64 arrays whose values are exactly representable in self.dtype."""
         return tuple(x.copy() for x in _inputs(self))
+
+
+MASK_KINDS = ("random", "band", "rows", "causal")
+
+
+def mask_array(mask: tuple, batch: int, hq: int, sq: int, sk: int) -> np.ndarray:
+    """A mask tensor from its description (kind, per_batch, per_head, param, seed):
+
+    - "random": each entry True with probability ``param`` (1 is all True, 0 all False);
+    - "band": key j seen from row i iff |j - i - (Sk - Sq) - shift| <= ``param``, the shift drawn
+      per batch and head entry (within +-param) where the mask is not broadcast over them;
+    - "rows": half the entries True, and rows emptied with probability ``param`` (rows that see no key);
+    - "causal": the causal mask, top-left (``param`` 0) or bottom-right (1), as a tensor.
+    """
+    kind, per_batch, per_head, param, seed = mask
+    rng = np.random.default_rng(seed)
+    shape = (batch if per_batch else 1, hq if per_head else 1, sq, sk)
+    i, j = np.arange(sq)[:, None], np.arange(sk)[None, :]
+    if kind == "random":
+        return rng.random(shape) < param
+    if kind == "band":
+        width = int(param)
+        shift = rng.integers(-width, width + 1, shape[:2])[..., None, None] if shape[:2] != (1, 1) else 0
+        return np.broadcast_to(np.abs(j - i - (sk - sq) - shift) <= width, shape).copy()
+    if kind == "rows":
+        out = rng.random(shape) < 0.5
+        out[rng.random(shape[:3]) < param] = False
+        return out
+    return np.broadcast_to(j <= i + (sk - sq if param else 0), shape).copy()
 
 
 def quantize(x: np.ndarray, dtype: str) -> np.ndarray:

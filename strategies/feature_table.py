@@ -38,6 +38,20 @@ def _alibi_invalid(c):
     return None
 
 
+def _mask_invalid(c):
+    from flashcheck.strategies.case import MASK_KINDS
+
+    m = c.mask
+    if m is None:
+        return None
+    ok = (isinstance(m, tuple) and len(m) == 5 and m[0] in MASK_KINDS and all(isinstance(x, bool) for x in m[1:3])
+          and isinstance(m[3], (int, float)) and m[3] >= 0 and isinstance(m[4], int))
+    if not ok or (m[0] in ("random", "rows") and m[3] > 1) or (m[0] == "causal" and m[3] not in (0, 1)):
+        return (f"mask must be (kind, per_batch, per_head, param, seed) with kind in {MASK_KINDS}, "
+                f"param a probability (random, rows), a width >= 0 (band) or 0/1 (causal), got {m!r}")
+    return None
+
+
 FEATURES = (
     Feature("window", {"window": None}, lambda c: c.window is not None,
             lambda c, t: {"window": (-1, -1) if c.window is None else tuple(c.window)},
@@ -54,6 +68,9 @@ FEATURES = (
             lambda c: {"sinks": c.sink_logits()},
             lambda c: None if c.sinks is None or len(c.sinks) == c.hq
             else f"sinks must hold one logit per query head ({c.hq}), got {c.sinks!r}"),
+    Feature("mask", {"mask": None}, lambda c: c.mask is not None,
+            lambda c, t: {"attn_mask": None if c.mask is None else t(c.attn_mask())},
+            lambda c: {"attn_mask": c.attn_mask()}, _mask_invalid),
     # dropout's mask is the implementation's own (properties/test_dropout.py): the reference gets none
     Feature("dropout", {"dropout_p": 0.0, "dropout_seed": 0}, lambda c: c.dropout_p > 0,
             lambda c, t: {"dropout_p": float(c.dropout_p), "dropout_seed": int(c.dropout_seed)},

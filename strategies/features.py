@@ -1,4 +1,4 @@
-"""Strategies for the feature matrix: sliding window, softcap, ALiBi, attention sinks, dropout.
+"""Strategies for the feature matrix: sliding window, softcap, ALiBi, attention sinks, mask tensors, dropout.
 
 Each feature is drawn "on" only after a boolean that shrinks to False, so a failing case
 shrinks to the feature off whenever the failure does not need it: the report then shows
@@ -76,6 +76,21 @@ def feature_fields(draw, features, *, batch: int, hq: int, seq: int) -> dict:
 
 
 @st.composite
+def masks(draw, seq: int):
+    """A mask tensor's description (strategies/case.py, mask_array): random densities from all True
+    to all False, bands, rows emptied (a row with no True entry), the causal mask as a tensor; shared
+    by every batch entry and head first, then per batch entry, per head, or both."""
+    kind = draw(st.sampled_from(("random", "band", "rows", "causal")), label="mask kind")
+    param = draw({"random": st.sampled_from((1.0, 0.5, 0.9, 0.1, 0.0)) | st.floats(0.0, 1.0),
+                  "band": st.integers(0, 3) | st.integers(0, seq),
+                  "rows": st.sampled_from((0.25, 0.5, 1.0)),
+                  "causal": st.sampled_from((0, 1))}[kind], label="mask param")
+    per_batch = draw(st.booleans(), label="mask per batch")
+    per_head = draw(st.booleans(), label="mask per head")
+    return kind, per_batch, per_head, param, draw(st.integers(0, 2**16), label="mask seed")
+
+
+@st.composite
 def _dropout(draw):
     return {"dropout_p": draw(st.sampled_from(DROPOUTS), label="dropout_p"),
             "dropout_seed": draw(st.integers(0, 2**31 - 1), label="dropout_seed")}
@@ -87,6 +102,7 @@ STRATEGIES = {
     "softcap": lambda batch, hq, seq: softcaps().map(lambda c: {"softcap": c}),
     "alibi": lambda batch, hq, seq: slopes(batch, hq).map(lambda s: {"alibi": s}),
     "sinks": lambda batch, hq, seq: sinks(hq).map(lambda s: {"sinks": s}),
+    "mask": lambda batch, hq, seq: masks(seq).map(lambda m: {"mask": m}),
     "dropout": lambda batch, hq, seq: _dropout(),
 }
 

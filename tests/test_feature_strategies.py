@@ -20,7 +20,7 @@ SEARCH = settings(max_examples=3000, database=None, derandomize=True,  # the sam
 
 
 def _empty_rows(c):
-    return c.window is not None and not c.visible().any(axis=1).all()
+    return c.window is not None and not c.visible().any(axis=-1).all()
 
 
 def _slopes(c):
@@ -43,7 +43,16 @@ REGIONS = {
     "ALiBi with Sq != Sk": lambda c: c.alibi is not None and c.sq != c.sk,
     "sinks -inf-like": lambda c: c.sinks is not None and min(c.sinks) <= -1e30,
     "sinks dominant": lambda c: c.sinks is not None and max(c.sinks) >= 1e3,
-    "sinks with masked rows": lambda c: c.sinks is not None and not c.visible().any(axis=1).all(),
+    "sinks with masked rows": lambda c: c.sinks is not None and not c.visible().any(axis=-1).all(),
+    "mask all False": lambda c: c.mask is not None and not c.attn_mask().any(),
+    "mask that empties some rows": lambda c: c.mask is not None and c.sq > 1 and 0 < c.visible().any(-1).mean() < 1,
+    "mask shared by every batch entry and head": lambda c: c.mask is not None and c.attn_mask().shape[:2] == (1, 1)
+    and c.batch * c.hq > 1,
+    "mask per batch entry and head": lambda c: c.mask is not None and c.attn_mask().shape[:2] == (c.batch, c.hq)
+    and c.batch > 1 and c.hq > 1,
+    "mask band": lambda c: c.mask is not None and c.mask[0] == "band" and c.sk > 2 * c.mask[3] + 1,
+    "mask equal to a causal mask": lambda c: c.mask is not None and c.mask[0] == "causal",
+    "mask with a window and causal": lambda c: c.mask is not None and c.window is not None and c.causal is not None,
     **{f"dropout {p}": (lambda p: lambda c: c.dropout_p == p)(p) for p in DROPOUTS},
     "every feature at once": lambda c: len(c.features) == len(fs.FEATURES),
     "GQA with features": lambda c: c.hq > c.hkv and len(c.features) >= 2,
@@ -109,7 +118,7 @@ def test_fit_never_gives_rows_that_see_no_key_to_an_implementation_that_declares
     impl = implementation(name="no-masked-rows", register=False, dtypes=("float64",), masked_rows=False,
                           **{f: True for f in fs.FEATURES})(lambda q, k, v, **kw: q).__flashcheck__
     fitted = fs.fit(impl, case)
-    assert fitted.visible().any(axis=1).all(), f"{case!r} fitted to {fitted!r} still has rows that see no key"
+    assert fitted.visible().any(axis=-1).all(), f"{case!r} fitted to {fitted!r} still has rows that see no key"
 
 
 @given(case=fs.cases(features=fs.FEATURES))

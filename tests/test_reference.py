@@ -124,6 +124,7 @@ def test_analytic_backward_agrees_with_central_differences(case):
                      features=fs.FEATURES))
 @example(case=Case(hq=2, hkv=1, sq=4, sk=3, d=2, causal="bottom_right", window=(1, 0), softcap=0.5,
                    alibi=(0.5, -0.25), sinks=(0.3, -1.0), dropout_p=0.5, dropout_seed=3))
+@example(case=Case(batch=2, hq=2, hkv=1, sq=4, sk=5, d=2, mask=("rows", True, True, 0.5, 4)))  # per batch and head
 def test_reference_backward_with_every_feature_agrees_with_central_differences(case):
     """d/dt f(x + t u) at t = 0, with f = sum(O * dO), against <grad f, u>, in float64, over q, k, v and
     the sink logits; dropout enters as a fixed keep mask drawn from the case's dropout seed."""

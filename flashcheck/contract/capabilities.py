@@ -143,7 +143,7 @@ def _witness_fields(case, impl: Implementation) -> list[str]:
             out.append(f"{n}={length} is above max_seq={i.max_seq}")
     if i.equal_lengths and case.sq != case.sk:
         out.append(f"sq={case.sq} and sk={case.sk} differ, but it declares equal_lengths=True")
-    if not i.masked_rows and not case.visible().any(axis=1).all():
+    if not i.masked_rows and not case.visible().any(axis=-1).all():
         out.append("a query row sees no key, but it declares masked_rows=False")
     tiles = getattr(i, "tiles", None)
     if tiles and (case.block_q, case.block_k) != tuple(tiles):

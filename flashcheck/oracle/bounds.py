@@ -145,7 +145,7 @@ class Scores:
 
 
 def _scores(case, pt, pr: Precision, u: Units) -> Scores:
-    vis = case.visible()
+    vis = case.visible_grouped()
     q, k, p, sc = pt.q, pt.k, pt.p, abs(pt.scale)
     aq, ak = np.abs(q), np.abs(k)
     d, sk = q.shape[-1], case.sk

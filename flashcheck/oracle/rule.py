@@ -123,7 +123,7 @@ def _probs(case: AttentionCase):
 def _parts(case: AttentionCase) -> _Parts:
     _, _, _, do = case.inputs()
     p, lse, (qg, kg, vg, sc, _), extra = _probs(case)
-    s = np.where(case.visible(), extra["s"], 0.0)  # softcapped, ALiBi-biased logits where visible
+    s = np.where(case.visible_grouped(), extra["s"], 0.0)  # softcapped, ALiBi-biased logits where visible
     return _Parts(qg, kg, vg, _group(case, do), s, p, p @ vg, lse, sc, extra["psink"])
 
 
@@ -151,7 +151,7 @@ def truth(case: AttentionCase) -> Truth:
 def model(case: AttentionCase) -> dict:
     """What a correct fused kernel of the case's dtype and precision returns (rounding.py)."""
     q, k, v, do = case.inputs()
-    return fused(q, k, v, do, case.visible(), _parts(case).scale, Precision.of(case.dtype, case.precision))
+    return fused(q, k, v, do, case.visible_grouped(), _parts(case).scale, Precision.of(case.dtype, case.precision))
 
 
 def _dense_torch(case: AttentionCase, dtype: str) -> dict:
