@@ -1,5 +1,5 @@
 """torch's FlexAttention (torch.nn.attention.flex_attention) as an independent implementation of the
-feature matrix: causal masks and the sliding window as a ``mask_mod`` (a block mask), the softcap
+feature matrix: causal masks, the sliding window and mask tensors as a ``mask_mod`` (a block mask), the softcap
 and the ALiBi bias as a ``score_mod``, sinks merged in afterwards through the LSE.
 
 Eager on CPU (an unfused reference path: it materializes the scores, forward only: torch has no
@@ -116,7 +116,7 @@ def _compiled():
     return Compiled(flex_attention)
 
 
-def _mask_mod(sq, sk, align, window, device):
+def _mask_mod(sq, sk, align, window, device, attn_mask=None):
     # The offsets are tensors: a captured Python int is a guard on its value, i.e. one compiled
     # graph per (Sq, Sk) and window, where a captured tensor is one more input of the same graph.
     off, diag, left, right = (torch.tensor(n, dtype=torch.int32, device=device)
@@ -131,6 +131,8 @@ def _mask_mod(sq, sk, align, window, device):
             seen = seen & (j >= i + diag - left)
         if right_on:
             seen = seen & (j <= i + diag + right)
+        if attn_mask is not None:  # (B, Hq, Sq, Sk), broadcast dims expanded with stride 0
+            seen = seen & attn_mask[b, h, i, j]
         return seen
 
     return mask
@@ -174,7 +176,8 @@ def _flex(q, k, v, **kw):
         return run(q, k, v, return_lse=True, **kw)
 
 
-def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None):
+def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None,
+              attn_mask=None):
     for label, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{WHO}: {label} must be a torch.Tensor, got {type(x).__name__}")
@@ -186,8 +189,11 @@ def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0
     dtype = q.dtype
     align = alignment(causal)
     window = check_features(q, who=WHO, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-                            sinks=sinks) or (-1, -1)
-    if align is not None or window != (-1, -1):
+                            sinks=sinks, attn_mask=attn_mask, sk=sk) or (-1, -1)
+    if attn_mask is not None:  # the block mask then varies by batch entry and head
+        full = attn_mask.expand(b, hq, sq, sk)
+        mask = create_block_mask(_mask_mod(sq, sk, align, window, q.device, full), b, hq, sq, sk, device=q.device)
+    elif align is not None or window != (-1, -1):
         mask = create_block_mask(_mask_mod(sq, sk, align, window, q.device), None, None, sq, sk,
                                  device=q.device)
     else:
@@ -228,13 +234,13 @@ GQA_NO_VALID_CHOICES = KnownIssue(
     "compiled FlexAttention (torch 2.11): GQA with a block mask at Sq < 128 < Sq * (Hq / Hkv) fails to "
     "lower (InductorError: NoValidChoicesError)",
     applies=lambda c: c.hq != c.hkv and c.sq < 128 < c.sq * (c.hq // c.hkv)
-    and (c.causal is not None or c.window is not None),
+    and (c.causal is not None or c.window is not None or c.mask is not None),  # a block mask (inferred for masks)
     witness=dict(hq=4, hkv=2, sq=70, sk=64, d=16, dv=16, causal="bottom_right", dtype="float16"),
     failure=r"NoValidChoicesError|No choices")
 
 
 implementation(name=WHO, causal=("bottom_right", "top_left"), dtypes=DTYPES, devices=("cuda",) if _CUDA else ("cpu",),
-               backward=_CUDA, gqa=True, lse=True, window=True, softcap=True, alibi=True, sinks=not _CUDA,
+               backward=_CUDA, gqa=True, lse=True, window=True, softcap=True, alibi=True, sinks=not _CUDA, mask=True,
                known_issues=(GQA_NO_VALID_CHOICES,) if _CUDA else (),
                # compiled on an H200 (torch 2.11), float32 at D = 160 needs more shared memory than
                # the SM has ("No valid triton configs"): 128 is the largest size every dtype compiles

@@ -21,6 +21,8 @@ CASES = [
     Case(sq=3, sk=5, softcap=0.05, regime="large", dtype="float32"),
     Case(batch=2, hq=2, sq=4, sk=6, alibi=((0.5, -0.25), (1.0, 0.0))),
     Case(hq=2, sq=4, sk=2, causal="bottom_right", sinks=(0.5, -1e30)),
+    Case(batch=2, hq=4, hkv=2, sq=5, sk=7, causal="bottom_right", mask=("rows", True, True, 0.5, 3)),  # per entry and head
+    Case(hq=2, sq=4, sk=6, window=(2, -1), mask=("random", False, False, 0.5, 1)),  # a shared mask with a window
     Case(hq=2, hkv=1, sq=5, sk=4, d=4, causal="bottom_right", window=(2, -1), softcap=3.0, alibi=(0.25, 0.5),
          sinks=(1.0, -2.0), dtype="float16"),
 ]
@@ -105,11 +107,12 @@ def test_inductor_compiles_every_mask_and_score_the_built_in_captures():
     must lower (a captured Python float did not: "unbacked_bindings"), at several lengths."""
     guard = flex.Compiled(flex.flex_attention)
     slopes = torch.tensor([[0.5, 0.25]])
-    for sq, sk, window, cap, alibi in [(5, 9, (4, -1), 5.0, slopes), (17, 33, (4, -1), 30.0, slopes),
-                                       (40, 12, (-1, 2), 0.0, None)]:
+    for sq, sk, window, cap, alibi, tensor in [(5, 9, (4, -1), 5.0, slopes, False), (17, 33, (4, -1), 30.0, slopes, True),
+                                               (40, 12, (-1, 2), 0.0, None, False)]:
         q, k, v = torch.randn(1, 2, sq, 16), torch.randn(1, 2, sk, 16), torch.randn(1, 2, sk, 16)
-        mask = flex.create_block_mask(flex._mask_mod(sq, sk, "bottom_right", window, "cpu"), None, None, sq, sk,
-                                      device="cpu")
+        attn = (torch.rand(1, 2, sq, sk) < 0.7) if tensor else None  # a mask tensor, per head
+        mask = flex.create_block_mask(flex._mask_mod(sq, sk, "bottom_right", window, "cpu", attn),
+                                      1 if tensor else None, 2 if tensor else None, sq, sk, device="cpu")
         mod = flex._score_mod(sq, sk, 0.5, cap, alibi, "cpu", torch.float32)
         with torch.no_grad():
             got = guard(q, k, v, block_mask=mask, score_mod=mod, scale=1.0)
