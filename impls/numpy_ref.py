@@ -99,7 +99,7 @@ def tiled_backward(q, k, v, o, lse, do, *, causal=False, scale=None, block_q=16,
 
 implementation(name="numpy-dense", causal=("bottom_right", "top_left"), dtypes=DTYPES, devices=("cpu",),
                backward=dense_backward, gqa=True, lse=True, framework="numpy",
-               window=True, softcap=True, alibi=True, sinks=True, mask=True)(dense_forward)
+               window=True, softcap=True, alibi=True, sinks=True, mask=True, bias=True)(dense_forward)
 implementation(name="numpy-tiled", causal=("bottom_right", "top_left"), dtypes=DTYPES, devices=("cpu",),
                backward=tiled_backward, gqa=True, lse=True, framework="numpy", blocks="any",
                deterministic=True)(tiled_forward)

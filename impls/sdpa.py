@@ -88,12 +88,12 @@ def _sdpa(q, k, v, backend, causal: bool, scale, attn_mask=None):
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, attn_mask=attn_mask, **kw)
 
 
-def feature_mask(q, k, causal: bool, window, alibi_slopes, attn_mask=None):
+def feature_mask(q, k, causal: bool, window, alibi_slopes, attn_mask=None, attn_bias=None):
     """The window, the ALiBi bias and a bool attn_mask (True = may attend) as SDPA's additive float
     attn_mask (B or 1, Hq or 1, Sq, Sk), with the top-left causal mask folded in (SDPA refuses
     attn_mask together with is_causal); None when unneeded."""
     window = (-1, -1) if window is None else tuple(window)
-    if window == (-1, -1) and alibi_slopes is None and attn_mask is None:
+    if window == (-1, -1) and alibi_slopes is None and attn_mask is None and attn_bias is None:
         return None
     sq, sk = q.shape[2], k.shape[2]
     cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -112,6 +112,9 @@ def feature_mask(q, k, causal: bool, window, alibi_slopes, attn_mask=None):
         bias = bias - slopes * dist.abs().to(cdt)
     if attn_mask is not None:
         hidden = hidden | ~attn_mask
+    if attn_bias is not None:  # differentiable: SDPA's attn_mask gradient is the bias's
+        hidden = hidden | (attn_bias == float("-inf"))
+        bias = bias + torch.where(hidden, 0.0, attn_bias.to(cdt))
     return torch.where(hidden, float("-inf"), bias).to(q.dtype)
 
 
@@ -153,7 +156,8 @@ def _register(name, backend, *, devices, dtypes, gqa=HAS_GQA, head_dims=(1, 256)
     rounds an fp16/bf16 bias to 2-3 digits, 2x past a fused kernel's error on the H200-free CPU run.)"""
     who = name
 
-    def attention(q, k, v, *, causal=False, scale=None, window=None, alibi_slopes=None, attn_mask=None):
+    def attention(q, k, v, *, causal=False, scale=None, window=None, alibi_slopes=None, attn_mask=None,
+                  attn_bias=None):
         check_tensors(q, k, v, devices=devices, who=who)
         _, hq, hkv, _, _, d, dv = check_inputs(q, k, v, dtypes=dtypes, who=who)
         if hq != hkv and not gqa:
@@ -169,8 +173,8 @@ def _register(name, backend, *, devices, dtypes, gqa=HAS_GQA, head_dims=(1, 256)
             raise ValueError(f"{who}: SDPA's is_causal is top-left aligned; {causal!r} is not supported")
         causal = causal in (True, "top_left")
         window = check_features(q, who=who, window=window, alibi_slopes=alibi_slopes, attn_mask=attn_mask,
-                                sk=k.shape[2])
-        mask = feature_mask(q, k, causal, window, alibi_slopes, attn_mask)
+                                sk=k.shape[2], attn_bias=attn_bias)
+        mask = feature_mask(q, k, causal, window, alibi_slopes, attn_mask, attn_bias)
         return call_sdpa(q, k, v, backend=backend, causal=causal, scale=None if scale is None else float(scale),
                          attn_mask=mask, **adapt)
 
@@ -179,6 +183,8 @@ def _register(name, backend, *, devices, dtypes, gqa=HAS_GQA, head_dims=(1, 256)
     implementation(name=name, causal=("top_left",), dtypes=dtypes, devices=devices, backward=True,
                    gqa=gqa, lse=False, framework="torch", head_dims=head_dims, equal_head_dims=equal_head_dims,
                    known_issues=known_issues, precision=precision, window=masks, mask=masks,
+                   # the CPU flash kernel takes no attn_mask that requires grad ("No available kernel")
+                   bias=masks and backend == SDPBackend.MATH,
                    # the math backend is plain matmuls: any view; the fused ones vectorize their loads
                    layouts=tuple(MEMORY) if backend == SDPBackend.MATH else DEFAULT)(attention)
     return attention

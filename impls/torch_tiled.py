@@ -54,7 +54,8 @@ class _Features:
     """Everything besides q, k, v that shapes one tile's scores: the causal mask, the window, the
     softcap, the ALiBi bias, the sinks, the attn_mask and the dropout mask (docs/features.md)."""
 
-    def __init__(self, *, sq, sk, g, align, scale, window, softcap, slopes, sinks, dropout_p, seed, mask=None):
+    def __init__(self, *, sq, sk, g, align, scale, window, softcap, slopes, sinks, dropout_p, seed, mask=None,
+                 bias=None):
         self.sq, self.sk, self.g, self.align, self.scale = sq, sk, g, align, scale
         self.off = offset(sq, sk, align)
         left, right = window if window is not None else (-1, -1)
@@ -62,6 +63,7 @@ class _Features:
         self.softcap, self.slopes, self.sinks = softcap, slopes, sinks  # slopes, sinks: (B*Hkv, G) or None
         self.dropout_p, self.seed = dropout_p, seed
         self.mask = mask  # (B*Hkv, Sq, G, Sk) bool, True = may attend, or None
+        self.bias = bias  # (B*Hkv, Sq, G, Sk) in the compute dtype, or None
 
     def key_range(self, q0, q1):
         """[first, last) keys any row of q0:q1 may see: tiles outside are skipped."""
@@ -96,6 +98,8 @@ class _Features:
         dist = cols - (rows + self.sk - self.sq)  # key position against the query's diagonal
         if self.slopes is not None:
             tile.sub_(self.slopes[:, None, :, None] * dist.abs()[None, :, None, :].to(s.dtype))
+        if self.bias is not None:  # after the softcap and ALiBi; -inf entries hide their keys
+            tile.add_(self.bias[:, q0:q1, :, k0:k1])
         hidden = torch.zeros_like(dist, dtype=torch.bool)
         if self.align is not None:
             hidden |= cols > rows + self.off  # per element, not per tile
@@ -178,6 +182,7 @@ def _backward(qg, kg, vg, og, lse, dog, ft: _Features, *, block_q, block_k):
     dq = torch.zeros_like(qg)
     dk = torch.zeros_like(kg)
     dvv = torch.zeros_like(vg)
+    dbias = None if ft.bias is None else torch.zeros_like(ft.bias)
     for k0 in range(0, sk, block_k):
         k1 = min(k0 + block_k, sk)
         q_start, q_end = ft.query_range(k0, k1)
@@ -201,6 +206,8 @@ def _backward(qg, kg, vg, og, lse, dog, ft: _Features, *, block_q, block_k):
                 dp.mul_(w)
             # dS = P * (dP - delta), in place over P (P is no longer needed).
             ds = p.mul_(dp.sub_(delta[:, q0:q1].reshape(bh, -1, 1)))
+            if dbias is not None:  # the bias is added after the softcap: its gradient is dS before the tanh's
+                dbias[:, q0:q1, :, k0:k1] = ds.view(bh, q1 - q0, g, k1 - k0)
             if t is not None:
                 ds.mul_(1 - t * t)  # through the softcap: d/dx c tanh(x / c) = 1 - tanh^2
             # dQ_i += dS K_j and dK_j += dS^T Q_i; the scale is applied once at the end.
@@ -212,7 +219,7 @@ def _backward(qg, kg, vg, og, lse, dog, ft: _Features, *, block_q, block_k):
     if ft.sinks is not None:
         # The sink's share of row i is exp(sink - LSE_i); d sum(O dO) / d sink = -share * delta.
         dsinks = -((ft.sinks[:, None, :] - lse).exp() * delta).sum(dim=1)
-    return dq.mul_(ft.scale), dk.mul_(ft.scale), dvv, dsinks
+    return dq.mul_(ft.scale), dk.mul_(ft.scale), dvv, dsinks, dbias
 
 
 def _per_group(x, b, hkv, dtype):
@@ -226,7 +233,7 @@ class TiledAttention(torch.autograd.Function):
     """O, LSE = attention(q, k, v); backward recomputes P tile by tile from the saved LSE."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, slopes, cfg, mask=None):
+    def forward(ctx, q, k, v, sinks, slopes, cfg, mask=None, bias=None):
         b, hkv = q.shape[0], k.shape[1]
         cdt = _compute_dtype(q.dtype)
         qg = _grouped(q.to(cdt), hkv)
@@ -234,11 +241,13 @@ class TiledAttention(torch.autograd.Function):
         vg = v.to(cdt).reshape(b * hkv, *v.shape[2:])
         ft = _Features(sq=q.shape[2], sk=k.shape[2], g=q.shape[1] // hkv, slopes=_per_group(slopes, b, hkv, cdt),
                        sinks=_per_group(sinks, b, hkv, cdt), **cfg["features"],
-                       mask=None if mask is None else _grouped(mask.expand(b, q.shape[1], -1, -1), hkv))
+                       mask=None if mask is None else _grouped(mask.expand(b, q.shape[1], -1, -1), hkv),
+                       bias=None if bias is None else _grouped(bias.to(cdt).expand(b, q.shape[1], -1, -1), hkv))
         og, lse = _forward(qg, kg, vg, ft, **cfg["blocks"])
         # The high-precision O and LSE are what the backward needs (delta and P); both are O(S).
         ctx.save_for_backward(q, k, v, og, lse)
         ctx.ft, ctx.cfg, ctx.sinks_meta = ft, cfg, None if sinks is None else (sinks.shape, sinks.dtype)
+        ctx.bias_meta = None if bias is None else (bias.shape, bias.dtype)
         o = _ungrouped(og, b, hkv).to(q.dtype)
         # LSE stays in the compute dtype (float32 for fp16/bf16, as FlashAttention returns it):
         # it overflows float16 long before the logits do, and needs more than 11 bits anyway.
@@ -256,12 +265,17 @@ class TiledAttention(torch.autograd.Function):
         kg = k.to(cdt).reshape(b * hkv, *k.shape[2:])
         vg = v.to(cdt).reshape(b * hkv, *v.shape[2:])
         dog = _grouped(do.to(cdt), hkv)
-        dq, dk, dv, dsinks = _backward(qg, kg, vg, og, lse, dog, ctx.ft, **ctx.cfg["blocks"])
+        dq, dk, dv, dsinks, dbias = _backward(qg, kg, vg, og, lse, dog, ctx.ft, **ctx.cfg["blocks"])
         if dsinks is not None:  # (B*Hkv, G) -> summed over the batch -> (Hq,)
             shape, dtype = ctx.sinks_meta
             dsinks = dsinks.view(b, -1).sum(dim=0).reshape(shape).to(dtype)
+        if dbias is not None:  # (B*Hkv, Sq, G, Sk) -> (B, Hq, Sq, Sk), summed over the broadcast dims
+            shape, dtype = ctx.bias_meta
+            dbias = _ungrouped(dbias, b, hkv)
+            dims = [i for i in (0, 1) if shape[i] == 1]
+            dbias = (dbias.sum(dim=dims, keepdim=True) if dims else dbias).to(dtype)  # sum(dim=[]) sums all
         return (_ungrouped(dq, b, hkv).to(q.dtype), dk.view(k.shape).to(k.dtype), dv.view(v.shape).to(v.dtype),
-                dsinks, None, None, None)
+                dsinks, None, None, None, dbias)
 
 
 def _check_devices(q, k, v):
@@ -282,27 +296,27 @@ def dropout_mask(q, k, v, p, seed):
 @implementation(name=WHO, causal=("bottom_right", "top_left"), dtypes=DTYPES, devices=("cpu", "cuda"),
                 backward=True, gqa=True, lse=True, framework="torch", blocks="any",
                 window=True, softcap=True, alibi=True, sinks=True, dropout=True, dropout_mask=dropout_mask,
-                mask=True, layouts=tuple(MEMORY))
+                mask=True, bias=True, layouts=tuple(MEMORY))
 def attention(q, k, v, *, causal=False, scale=None, block_q=256, block_k=256, window=(-1, -1), softcap=0.0,
-              alibi_slopes=None, sinks=None, dropout_p=0.0, dropout_seed=0, attn_mask=None):
+              alibi_slopes=None, sinks=None, dropout_p=0.0, dropout_seed=0, attn_mask=None, attn_bias=None):
     """Tiled FlashAttention. Returns O in the input dtype and LSE (float32 for fp16/bf16 inputs);
     differentiable in q, k, v and sinks.
 
     causal: False, True (= "bottom_right"), "bottom_right" or "top_left" (docs/design.md).
     scale: None means 1/sqrt(D); any float, 0.0 included, is used as given.
     block_q, block_k: tile sizes; any int >= 1 (large tiles are faster, memory is O(block_q * block_k)).
-    window, softcap, alibi_slopes, sinks, dropout_p, dropout_seed, attn_mask: docs/features.md.
+    window, softcap, alibi_slopes, sinks, dropout_p, dropout_seed, attn_mask, attn_bias: docs/features.md.
     """
     _check_devices(q, k, v)
     check_inputs(q, k, v, dtypes=DTYPES, who=WHO)
     check_blocks(block_q, block_k, who=WHO)
     window = check_features(q, who=WHO, window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
-                            dropout_p=dropout_p, attn_mask=attn_mask, sk=k.shape[2])
+                            dropout_p=dropout_p, attn_mask=attn_mask, sk=k.shape[2], attn_bias=attn_bias)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     cfg = {"blocks": dict(block_q=block_q, block_k=block_k),
            "features": dict(align=alignment(causal), scale=scale, window=window, softcap=float(softcap),
                             dropout_p=float(dropout_p), seed=int(dropout_seed))}
-    return TiledAttention.apply(q, k, v, sinks, alibi_slopes, cfg, attn_mask)
+    return TiledAttention.apply(q, k, v, sinks, alibi_slopes, cfg, attn_mask, attn_bias)
 
 
 # Its tiles are its own, as a packed kernel's are: tile bugs are torch-tiled's, drawn there. On CPU its

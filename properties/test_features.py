@@ -112,6 +112,11 @@ def test_gradients_match_analytic_float64_with_features(impl, case):
     note(f"features on: {case.features}")
     res = ph.backward(impl, case)
     _compare_all(impl, case, res, ("dq", "dk", "dv"))
+    if case.bias is not None:
+        assert res.dbias is not None and res.dbias.shape == case.attn_bias().shape, (
+            f"{impl.name}: declares bias but gave no gradient of attn_bias's shape {case.attn_bias().shape}, got "
+            f"{None if res.dbias is None else res.dbias.shape}\n  case: {case!r}")
+        orc.compare(case, "dbias", res.dbias, who=impl.name)
     if case.sinks is not None:
         assert res.dsinks is not None, f"{impl.name}: declares sinks but gave no gradient for them\n  case: {case!r}"
         orc.compare(case, "dsinks", res.dsinks, who=impl.name)
@@ -225,6 +230,14 @@ def test_a_mask_equal_to_the_causal_mask_equals_causal(impl, case, per_batch, pe
 def test_an_all_true_mask_equals_no_mask(impl, case, per_batch, per_head):
     case = fs.fit(impl, case.replace(mask=None))
     _same(impl, case, case.replace(mask=("random", per_batch, per_head, 1.0, 0)), "an all-True attn_mask vs none")
+
+
+@pytest.mark.requires("bias")
+@given(case=fs.cases(features=FEATURES), per_batch=st.booleans(), per_head=st.booleans())
+@example(case=Case(batch=2, hq=2, sq=3, sk=5), per_batch=True, per_head=False)
+def test_a_zero_bias_equals_no_bias(impl, case, per_batch, per_head):
+    case = fs.fit(impl, case.replace(bias=None))
+    _same(impl, case, case.replace(bias=("normal", per_batch, per_head, 0.0, 0)), "a zero attn_bias vs none")
 
 
 @pytest.mark.requires("alibi")

@@ -87,6 +87,8 @@ class AttentionCase:
     dropout_seed: int = 0
     # a boolean attn_mask (True = may attend): (kind, per_batch, per_head, param, seed), built by attn_mask()
     mask: tuple | None = None
+    # an additive attn_bias: (kind, per_batch, per_head, param, seed), built by attn_bias()
+    bias: tuple | None = None
     memory: str = "contiguous"  # how a torch kernel's inputs lie in memory (flashcheck/contract/memory.py)
 
     def __repr__(self):
@@ -157,13 +159,27 @@ class AttentionCase:
         """The mask tensor passed as ``attn_mask``: bool (B or 1, Hq or 1, Sq, Sk), True = may attend."""
         return None if self.mask is None else mask_array(self.mask, self.batch, self.hq, self.sq, self.sk)
 
+    def attn_bias(self) -> np.ndarray | None:
+        """The bias tensor (float64 values exact in the case's dtype), or None."""
+        return None if self.bias is None else bias_array(self.bias, self.batch, self.hq, self.sq, self.sk, self.dtype)
+
+    def bias_argument(self) -> np.ndarray | None:
+        """``attn_bias`` as passed to a kernel: float32 for fp16/bf16 inputs (its values exact in the
+        input type, so a cast to it loses nothing), else the input dtype."""
+        b = self.attn_bias()
+        return None if b is None else b.astype(np.float64 if self.dtype == "float64" else np.float32)
+
     def visible(self) -> np.ndarray:
-        """Which keys each query row sees: the causal mask, the window and the attn_mask. (Sq, Sk)
-        without a mask tensor, else (B, Hq, Sq, Sk)."""
+        """Which keys each query row sees: the causal mask, the window, the attn_mask and the bias's
+        -inf entries. (Sq, Sk) without a mask or bias tensor, else (B, Hq, Sq, Sk)."""
         vis = visible(self.sq, self.sk, self.causal, window=self.window)
-        if self.mask is None:
+        if self.mask is None and self.bias is None:
             return vis
-        return np.broadcast_to(vis & self.attn_mask(), (self.batch, self.hq, self.sq, self.sk)).copy()
+        if self.mask is not None:
+            vis = vis & self.attn_mask()
+        if self.bias is not None:
+            vis = vis & (self.attn_bias() > -np.inf)
+        return np.broadcast_to(vis, (self.batch, self.hq, self.sq, self.sk)).copy()
 
     def visible_grouped(self) -> np.ndarray:
         """visible() in the grouped layout (B, Hkv, G, Sq, Sk) where it is per batch and head."""
@@ -210,6 +226,30 @@ def mask_array(mask: tuple, batch: int, hq: int, sq: int, sk: int) -> np.ndarray
         out[rng.random(shape[:3]) < param] = False
         return out
     return np.broadcast_to(j <= i + (sk - sq if param else 0), shape).copy()
+
+
+BIAS_KINDS = ("normal", "ninf", "min")
+
+
+def bias_array(bias: tuple, batch: int, hq: int, sq: int, sk: int, dtype: str) -> np.ndarray:
+    """A bias tensor from its description (kind, per_batch, per_head, param, seed), its values exact
+    in ``dtype``: "normal" draws N(0, param^2) entries; "ninf" and "min" draw N(0, 1) and set a
+    fraction ``param`` of the entries to -inf or to finfo(dtype).min (as code that "masks" with the
+    most negative number does: a row of finfo.min alone is uniform, not empty)."""
+    kind, per_batch, per_head, param, seed = bias
+    rng = np.random.default_rng(seed)
+    shape = (batch if per_batch else 1, hq if per_head else 1, sq, sk)
+    out = quantize(rng.standard_normal(shape) * (param if kind == "normal" else 1.0), dtype)
+    if kind != "normal":
+        low = -np.inf if kind == "ninf" else float(_finfo_min(dtype))
+        out[rng.random(shape) < param] = low
+    return out
+
+
+def _finfo_min(dtype: str) -> float:
+    """finfo(t).min; for float64 float32's (code ported from float32 masks with it), since the error
+    bounds of scores at 1.8e308 overflow float64 itself."""
+    return -3.3895313892515355e38 if dtype == "bfloat16" else float(np.finfo("float32" if dtype == "float64" else dtype).min)
 
 
 def quantize(x: np.ndarray, dtype: str) -> np.ndarray:

@@ -52,6 +52,20 @@ def _mask_invalid(c):
     return None
 
 
+def _bias_invalid(c):
+    from flashcheck.strategies.case import BIAS_KINDS
+
+    b = c.bias
+    if b is None:
+        return None
+    ok = (isinstance(b, tuple) and len(b) == 5 and b[0] in BIAS_KINDS and all(isinstance(x, bool) for x in b[1:3])
+          and isinstance(b[3], (int, float)) and b[3] >= 0 and isinstance(b[4], int))
+    if not ok or (b[0] != "normal" and b[3] > 1):
+        return (f"bias must be (kind, per_batch, per_head, param, seed) with kind in {BIAS_KINDS}, param a "
+                f"scale >= 0 (normal) or a fraction of entries (ninf, min), got {b!r}")
+    return None
+
+
 FEATURES = (
     Feature("window", {"window": None}, lambda c: c.window is not None,
             lambda c, t: {"window": (-1, -1) if c.window is None else tuple(c.window)},
@@ -71,6 +85,9 @@ FEATURES = (
     Feature("mask", {"mask": None}, lambda c: c.mask is not None,
             lambda c, t: {"attn_mask": None if c.mask is None else t(c.attn_mask())},
             lambda c: {"attn_mask": c.attn_mask()}, _mask_invalid),
+    Feature("bias", {"bias": None}, lambda c: c.bias is not None,
+            lambda c, t: {"attn_bias": None if c.bias is None else t(c.bias_argument())},
+            lambda c: {"attn_bias": c.attn_bias()}, _bias_invalid),
     # dropout's mask is the implementation's own (properties/test_dropout.py): the reference gets none
     Feature("dropout", {"dropout_p": 0.0, "dropout_seed": 0}, lambda c: c.dropout_p > 0,
             lambda c, t: {"dropout_p": float(c.dropout_p), "dropout_seed": int(c.dropout_seed)},

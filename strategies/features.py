@@ -91,6 +91,20 @@ def masks(draw, seq: int):
 
 
 @st.composite
+def biases(draw):
+    """A bias tensor's description (strategies/case.py, bias_array): N(0, s^2) entries from small to
+    logit-sized, or N(0, 1) with a fraction of -inf or finfo(t).min entries (all of them included:
+    a row of -inf sees nothing, a row of finfo.min is uniform); shared first, then per batch entry,
+    per head or both."""
+    kind = draw(st.sampled_from(("normal", "ninf", "min")), label="bias kind")
+    param = draw(st.sampled_from((1.0, 0.1, 10.0, 30.0)) if kind == "normal"
+                 else st.sampled_from((0.25, 0.5, 1.0)), label="bias param")
+    per_batch = draw(st.booleans(), label="bias per batch")
+    per_head = draw(st.booleans(), label="bias per head")
+    return kind, per_batch, per_head, param, draw(st.integers(0, 2**16), label="bias seed")
+
+
+@st.composite
 def _dropout(draw):
     return {"dropout_p": draw(st.sampled_from(DROPOUTS), label="dropout_p"),
             "dropout_seed": draw(st.integers(0, 2**31 - 1), label="dropout_seed")}
@@ -103,6 +117,7 @@ STRATEGIES = {
     "alibi": lambda batch, hq, seq: slopes(batch, hq).map(lambda s: {"alibi": s}),
     "sinks": lambda batch, hq, seq: sinks(hq).map(lambda s: {"sinks": s}),
     "mask": lambda batch, hq, seq: masks(seq).map(lambda m: {"mask": m}),
+    "bias": lambda batch, hq, seq: biases().map(lambda b: {"bias": b}),
     "dropout": lambda batch, hq, seq: _dropout(),
 }
 

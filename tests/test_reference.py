@@ -146,3 +146,23 @@ def test_reference_backward_with_every_feature_agrees_with_central_differences(c
         assert abs(numeric - analytic) <= bound, (
             f"reference d{name} along a random direction: central difference {numeric:.12g}, analytic "
             f"{analytic:.12g}, |diff| {abs(numeric - analytic):.3e} > allowed {bound:.3e}\n  case: {case!r}")
+
+
+@pytest.mark.parametrize("bias", [("normal", True, True, 1.0, 1), ("normal", False, True, 3.0, 2),
+                                  ("ninf", True, False, 0.25, 3)])
+def test_the_bias_gradient_agrees_with_central_differences(bias):
+    """d/dt sum(O(bias + t u) * dO) at t = 0 against <dbias, u>: dbias is dS summed over the
+    dimensions the bias is broadcast along (u is 0 on the -inf entries, which hide their keys)."""
+    case = Case(batch=2, hq=4, hkv=2, sq=5, sk=7, d=4, dv=3, causal="bottom_right", softcap=2.0, bias=bias)
+    q, k, v, do = case.inputs()
+    kw = case.reference_kwargs()
+    o, lse = dense.dense_forward(q, k, v, **kw)
+    dbias = dense.dense_backward(q, k, v, o, lse, do, **kw)[-1]
+    b = kw.pop("attn_bias")
+    u = np.where(np.isfinite(b), np.random.default_rng(0).standard_normal(b.shape), 0.0)
+    f = lambda t: float((dense.dense_forward(q, k, v, attn_bias=b + t * u, **kw)[0] * do).sum())  # noqa: E731
+    h = 1e-5
+    numeric, analytic = (f(h) - f(-h)) / (2 * h), float((dbias * u).sum())
+    assert dbias.shape == b.shape, f"expected dbias of the bias's shape {b.shape}, got {dbias.shape}"
+    assert abs(numeric - analytic) <= 1e-7 * (1 + abs(analytic)), (
+        f"dbias along a random direction: central difference {numeric!r}, from the gradient {analytic!r}")

@@ -73,6 +73,8 @@ class Implementation:
     dropout: bool = False
     dropout_mask: Callable | None = None  # (q, k, v, p, seed) -> bool (B, Hq, Sq, Sk), True = kept
     mask: bool = False  # takes attn_mask=: bool, broadcastable from (B or 1, Hq or 1, Sq, Sk), True = may attend
+    bias: bool = False  # takes attn_bias=: float, (B or 1, Hq or 1, Sq, Sk), added to the scaled scores; its
+    # gradient (attn_bias.grad, the broadcast dimensions summed) is checked with backward=True
     # What real kernels needed to say about themselves (README, "The plug-in contract"):
     causal_only: bool = False  # no non-causal mode: every case is drawn causal
     min_seq: int = 1  # Sq and Sk are at least this
@@ -229,9 +231,10 @@ def _validate(i: Implementation) -> None:
         raise ContractError(f"implementation {name!r}: varlen=True needs framework='torch' (cu_seqlens are int32 "
                             "tensors on q's device)")
     _validate_cache(i, put)
-    if i.mask and (i.varlen or i.kvcache):
-        raise ContractError(f"implementation {name!r}: mask=True is a dense-layout feature: attn_mask is "
-                            "(B or 1, Hq or 1, Sq, Sk); declare it on the dense kernel, not with varlen or kvcache")
+    for tensor in ("mask", "bias"):
+        if getattr(i, tensor) and (i.varlen or i.kvcache):
+            raise ContractError(f"implementation {name!r}: {tensor}=True is a dense-layout feature: attn_{tensor} is "
+                                "(B or 1, Hq or 1, Sq, Sk); declare it on the dense kernel, not with varlen or kvcache")
     for flag in ("causal_only", "scale_arg", "deterministic", "varlen", "kvcache", "kv_append", "paged", "splits"):
         put(flag, bool(getattr(i, flag)))
 

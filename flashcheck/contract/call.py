@@ -19,6 +19,7 @@ class Result:
     dk: np.ndarray | None = None
     dv: np.ndarray | None = None
     dsinks: np.ndarray | None = None  # the sink logits' gradient, where sinks were passed
+    dbias: np.ndarray | None = None  # the bias tensor's gradient, where a bias was passed
     dtype: str = ""  # the dtype the implementation returned O in
     lse_dtype: str = ""
     inputs_after: tuple = ()  # q, k, v as the implementation left them
@@ -162,10 +163,11 @@ def run(impl: Implementation, case, q, k, v, do=None, *, device=None, path=None)
                      dtype=str(np.asarray(o).dtype), lse_dtype="" if lse is None else str(np.asarray(lse).dtype))
         if do is not None:
             grads = impl.backward(qn, kn, vn, o, lse, do.astype(case.dtype), **kw)
-            if kw.get("sinks") is not None:  # a backward given sinks returns their gradient too
-                if len(grads) != 4:
-                    raise AssertionError(f"{impl.name}: given sinks, the backward must return (dq, dk, dv, dsinks)")
-                res.dsinks = np.asarray(grads[3], np.float64)
+            extra = [n for n, key in (("dsinks", "sinks"), ("dbias", "attn_bias")) if kw.get(key) is not None]
+            if len(grads) != 3 + len(extra):  # a backward given sinks or a bias returns their gradients too
+                raise AssertionError(f"{impl.name}: the backward must return (dq, dk, dv{''.join(', ' + n for n in extra)})")
+            for n, g in zip(extra, grads[3:]):
+                setattr(res, n, np.asarray(g, np.float64))
             res.dq, res.dk, res.dv = (np.asarray(g, np.float64) for g in grads[:3])
         res.inputs_after = tuple(np.asarray(x, np.float64) for x in (qn, kn, vn))
         return res
@@ -184,9 +186,10 @@ def run_torch(impl, case, q, k, v, do, *, device, path, shapes, layout_kw=None) 
     qt, kt, vt = (memory.lay(torch, x, case.memory, device=device, dtype=dt).requires_grad_(grad) for x in (q, k, v))
     kw = kwargs_for(impl, case, tensor=lambda a: torch.from_numpy(a).to(device))
     kw.update(layout_kw(torch, device) if layout_kw else {})
-    sinks = kw.get("sinks")
-    if sinks is not None:
-        sinks.requires_grad_(grad)
+    sinks, bias = kw.get("sinks"), kw.get("attn_bias")
+    for x in (sinks, bias):
+        if x is not None:
+            x.requires_grad_(grad)
     with _grad_mode(path):
         try:
             out = _call(impl, case, qt, kt, vt, **kw)
@@ -205,6 +208,8 @@ def run_torch(impl, case, q, k, v, do, *, device, path, shapes, layout_kw=None) 
         res.dq, res.dk, res.dv = (_np(x.grad) if x.grad is not None else np.zeros(x.shape) for x in (qt, kt, vt))
         if sinks is not None:
             res.dsinks = _np(sinks.grad) if sinks.grad is not None else np.zeros(sinks.shape)
+        if bias is not None:
+            res.dbias = _np(bias.grad) if bias.grad is not None else np.zeros(bias.shape)
     res.inputs_after = tuple(_np(x) for x in (qt, kt, vt))
     return res
 

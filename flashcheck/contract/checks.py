@@ -150,7 +150,7 @@ def offset(sq: int, sk: int, align: str | None) -> int:
 
 
 def check_features(q, *, who: str, window=None, softcap=0.0, alibi_slopes=None, sinks=None, dropout_p=0.0,
-                   tables=("float32",), attn_mask=None, sk=None):
+                   tables=("float32",), attn_mask=None, sk=None, attn_bias=None):
     """Validate the feature arguments (docs/features.md) against q (B, Hq, Sq, D); a numpy array or a
     torch tensor alike. Returns the window as a tuple, or None when it is off. ``tables``: the dtypes
     the slopes and sinks may have (kernels get float32; the float64 truth takes float64 too)."""
@@ -176,18 +176,21 @@ def check_features(q, *, who: str, window=None, softcap=0.0, alibi_slopes=None, 
         raise ValueError(f"{who}: dropout_p must be in [0, 1), got {dropout_p!r}")
     if attn_mask is not None:
         check_mask(attn_mask, q, sk, who=who)
+    if attn_bias is not None:
+        check_mask(attn_bias, q, sk, who=who, label="attn_bias", dtypes=("float16", "bfloat16", "float32", "float64"))
     return window
 
 
-def check_mask(attn_mask, q, sk, *, who: str):
-    """attn_mask: bool, (B or 1, Hq or 1, Sq, Sk) on q's device (``sk``: None where unknown)."""
+def check_mask(attn_mask, q, sk, *, who: str, label="attn_mask", dtypes=("bool",)):
+    """attn_mask (bool) or attn_bias (float): (B or 1, Hq or 1, Sq, Sk) on q's device (``sk``: None where unknown)."""
     b, hq, sq = q.shape[0], q.shape[1], q.shape[2]
     shape = tuple(getattr(attn_mask, "shape", ()))
     if (len(shape) != 4 or shape[0] not in (1, b) or shape[1] not in (1, hq) or shape[2] != sq
             or (sk is not None and shape[3] != sk)):
-        raise ValueError(f"{who}: attn_mask must have shape (B or 1, Hq or 1, Sq, Sk) = ({b} or 1, {hq} or 1, "
+        raise ValueError(f"{who}: {label} must have shape (B or 1, Hq or 1, Sq, Sk) = ({b} or 1, {hq} or 1, "
                          f"{sq}, {'Sk' if sk is None else sk}), got {shape or type(attn_mask).__name__}")
-    if dtype_name(attn_mask) != "bool":
-        raise TypeError(f"{who}: attn_mask must be bool (True = may attend), got {dtype_name(attn_mask)}")
+    if dtype_name(attn_mask) not in dtypes:
+        raise TypeError(f"{who}: {label} must be {' or '.join(dtypes)}{' (True = may attend)' if label == 'attn_mask' else ''}, "
+                        f"got {dtype_name(attn_mask)}")
     if getattr(attn_mask, "device", None) != getattr(q, "device", None):
-        raise ValueError(f"{who}: attn_mask is on {attn_mask.device}, q on {q.device}")
+        raise ValueError(f"{who}: {label} is on {attn_mask.device}, q on {q.device}")

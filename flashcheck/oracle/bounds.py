@@ -158,13 +158,17 @@ def _scores(case, pt, pr: Precision, u: Units) -> Scores:
     # variance about u^2/3 (D/2 sum_d (q_d k_d)^2 + D/3 s^2), whether the terms' signs are random or
     # alike), the scale and log2(e) products, the max or LSE subtracted before exp, exp itself, and
     # for TF32 the rounding of q and k. What a feature adds to the score (ALiBi's distance term,
-    # the softcap's change) rounds at its own magnitude, twice: when added and in the log2(e)
-    # product of an exp2 kernel; a large ALiBi term can dwarf the dot product.
-    features = case.alibi is not None or bool(case.softcap)
+    # the softcap's change, a bias) rounds at its own magnitude, twice: when added and in the log2(e)
+    # product of an exp2 kernel; a large ALiBi term or bias can dwarf the dot product. Where P is 0
+    # (exp underflows in float64, so in any kernel: a finfo.min bias beside finite ones) no error of
+    # the score reaches a result, and none is counted (its magnitude would make inf * 0 = NaN).
+    features = case.alibi is not None or bool(case.softcap) or case.bias is not None
     added = np.abs(np.where(vis, pt.s, 0.0) - np.where(vis, pt.scale * (q @ _swap(k)), 0.0)) if features else 0.0
-    local = u.acc * (4 + 2 * np.abs(pt.s - m) + 2 * added)
-    worst = np.where(vis, u.inp * 2 * abs_s + u.acc * d * abs_s + local, 0.0)
-    var = np.where(vis, u.acc ** 2 / 3 * (d / 2 * sq_s + d / 3 * pt.s ** 2)
+    live = vis & (p > 0)
+    s_live = np.where(live, pt.s, 0.0)
+    local = np.where(live, u.acc * (4 + 2 * np.abs(s_live - m) + 2 * added), 0.0)
+    worst = np.where(live, u.inp * 2 * abs_s + u.acc * d * abs_s + local, 0.0)
+    var = np.where(live, u.acc ** 2 / 3 * (d / 2 * sq_s + d / 3 * s_live ** 2)
                    + VAR * (local ** 2 + (u.inp * 2 * abs_s) ** 2), 0.0)
     # A pre-scaled operand's rounding is shared by a whole row (q_i) or key (k_j): it moves every
     # score it touches by up to u_t |q_i| . |k_j| scale, coherently, so it counts only worst-case.
@@ -184,7 +188,8 @@ def _scores(case, pt, pr: Precision, u: Units) -> Scores:
     base = u.p + u.inp + 2 * u.tr
     rho = np.where(vis, base + bent, 0.0)
     logp = pt.s - lse  # log P where visible: finite where P itself underflows
-    p_rho = np.where(vis, np.where(x > 1e-2, p * base + _p_expm1(p, logp, x), p * rho), 0.0)
+    near = np.where(p > 0, p * np.where(x > 1e-2, 0.0, rho), 0.0)  # rho is infinite only where x > 1e-2
+    p_rho = np.where(vis, np.where(x > 1e-2, p * base + _p_expm1(p, logp, x), near), 0.0)
     rho_var = np.where(vis, VAR * (u.p ** 2 + u.inp ** 2) + var + lse_var, 0.0)
     sub = np.where(vis, u.sub, 0.0)
     w = p_rho + sub

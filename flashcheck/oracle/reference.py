@@ -16,7 +16,7 @@ from flashcheck.strategies.case import visible
 DTYPES = ("float32", "float64")
 
 
-def _logits(q, k, causal, scale, window, softcap, alibi_slopes, attn_mask=None):
+def _logits(q, k, causal, scale, window, softcap, alibi_slopes, attn_mask=None, attn_bias=None):
     """(s, visible, dcap): s (B, Hq, Sq, Sk) in q's dtype with -inf where hidden, and
     dcap = d(softcapped logit)/d(scaled logit) (None without a softcap)."""
     dt = q.dtype
@@ -35,7 +35,12 @@ def _logits(q, k, causal, scale, window, softcap, alibi_slopes, attn_mask=None):
         slopes = slopes.reshape((1,) * (2 - slopes.ndim) + slopes.shape + (1, 1))  # (B or 1, Hq, 1, 1)
         dist = np.abs(np.arange(sq)[:, None] + sk - sq - np.arange(sk)[None, :]).astype(dt)
         s = s - slopes * dist
+    if attn_bias is not None:  # after the softcap and ALiBi; its -inf entries hide their keys
+        bias = np.asarray(attn_bias, dt)
+        s = s + np.where(bias > -np.inf, bias, 0)
     vis = visible(sq, sk, alignment(causal), window=window)
+    if attn_bias is not None:
+        vis = vis & (np.asarray(attn_bias) > -np.inf)
     if attn_mask is not None:
         vis = vis & np.asarray(attn_mask, bool)  # broadcast from (B or 1, Hq or 1, Sq, Sk)
     return np.where(vis, s, dt.type(-np.inf)), vis, dcap
@@ -50,15 +55,16 @@ def prepare(q, k, v, causal, scale, who):
             align, scale, (b, hq, sq, sk, dv))
 
 
-def _check_features(q, window, softcap, alibi_slopes, sinks, dropout_p, dropout_mask, who, attn_mask=None):
+def _check_features(q, window, softcap, alibi_slopes, sinks, dropout_p, dropout_mask, who, attn_mask=None,
+                    attn_bias=None):
     check_features(q, who=who, window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
-                   dropout_p=dropout_p, tables=("float32", "float64"), attn_mask=attn_mask)
+                   dropout_p=dropout_p, tables=("float32", "float64"), attn_mask=attn_mask, attn_bias=attn_bias)
     if dropout_p > 0 and dropout_mask is None:
         raise ValueError(f"{who}: dense attention with dropout needs the keep mask (dropout_mask=)")
 
 
 def dense_probs(q, k, v, causal=False, scale=None, who="numpy-dense", *, window=None, softcap=0.0,
-                alibi_slopes=None, sinks=None, attn_mask=None):
+                alibi_slopes=None, sinks=None, attn_mask=None, attn_bias=None):
     """Softmax probabilities in float64, in the grouped layout (B, Hkv, G, Sq, Sk).
 
     Returns (p, lse, (qg, kg, vg, scale, shape), extra) with extra = {"psink": the sink's
@@ -67,7 +73,8 @@ def dense_probs(q, k, v, causal=False, scale=None, who="numpy-dense", *, window=
     """
     qg, kg, vg, align, scale, (b, hq, sq, sk, dv) = prepare(q, k, v, causal, scale, who)
     f64 = np.float64
-    s, _, dcap = _logits(q.astype(f64), k.astype(f64), causal, scale, window, softcap, alibi_slopes, attn_mask)
+    s, _, dcap = _logits(q.astype(f64), k.astype(f64), causal, scale, window, softcap, alibi_slopes, attn_mask,
+                         attn_bias)
     grouped = (b, kg.shape[1], hq // kg.shape[1], sq)
     s = s.reshape(grouped + (sk,))
     m = s.max(axis=-1, keepdims=True)
@@ -97,23 +104,23 @@ def _keep_weights(p, dropout_p, dropout_mask, shape):
 
 
 def dense_forward(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, alibi_slopes=None, sinks=None,
-                  dropout_p=0.0, dropout_mask=None, attn_mask=None, probs=None):
+                  dropout_p=0.0, dropout_mask=None, attn_mask=None, attn_bias=None, probs=None):
     """Dense attention computed in float64; returns (O, LSE) in the input dtype.
 
     With dropout, ``dropout_mask`` (bool, (B, Hq, Sq, Sk), True = kept) says which
     probabilities survive; they are scaled by 1 / (1 - dropout_p). The LSE ignores dropout.
     ``probs``: dense_probs' result on the same inputs, where the caller has it (the oracle).
     """
-    _check_features(q, window, softcap, alibi_slopes, sinks, dropout_p, dropout_mask, "numpy-dense", attn_mask)
+    _check_features(q, window, softcap, alibi_slopes, sinks, dropout_p, dropout_mask, "numpy-dense", attn_mask, attn_bias)
     p, lse, (_, _, vg, _, (b, hq, sq, _, dv)), _ = probs or dense_probs(
         q, k, v, causal, scale, "numpy-dense", window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-        sinks=sinks, attn_mask=attn_mask)
+        sinks=sinks, attn_mask=attn_mask, attn_bias=attn_bias)
     o = _keep_weights(p, dropout_p, dropout_mask, p.shape) @ vg.astype(np.float64)
     return o.reshape(b, hq, sq, dv).astype(q.dtype), lse.reshape(b, hq, sq).astype(q.dtype)
 
 
 def dense_backward(q, k, v, o, lse, do, *, causal=False, scale=None, window=None, softcap=0.0, alibi_slopes=None,
-                   sinks=None, dropout_p=0.0, dropout_mask=None, attn_mask=None, probs=None):
+                   sinks=None, dropout_p=0.0, dropout_mask=None, attn_mask=None, attn_bias=None, probs=None):
     """Analytic gradients of sum(O * dO) in float64: dS = P * (dP - rowsum(dO * O)).
 
     The softcap multiplies dS by 1 - tanh^2 before the scale; dropout multiplies dP by
@@ -121,10 +128,10 @@ def dense_backward(q, k, v, o, lse, do, *, causal=False, scale=None, window=None
     dsinks_h = -sum over batch and rows of P_sink * rowsum(dO * O): the sink only
     takes probability away from the keys.
     """
-    _check_features(q, window, softcap, alibi_slopes, sinks, dropout_p, dropout_mask, "numpy-dense", attn_mask)
+    _check_features(q, window, softcap, alibi_slopes, sinks, dropout_p, dropout_mask, "numpy-dense", attn_mask, attn_bias)
     p, _, (qg, kg, vg, scale, (b, hq, sq, sk, dv)), extra = probs or dense_probs(
         q, k, v, causal, scale, "numpy-dense", window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-        sinks=sinks, attn_mask=attn_mask)
+        sinks=sinks, attn_mask=attn_mask, attn_bias=attn_bias)
     f64 = np.float64
     w = _keep_weights(np.ones_like(p), dropout_p, dropout_mask, p.shape)  # keep / (1 - p), or 1
     dog = do.astype(f64).reshape(qg.shape[:-1] + (dv,))
@@ -133,12 +140,21 @@ def dense_backward(q, k, v, o, lse, do, *, causal=False, scale=None, window=None
     dp = (dog @ np.swapaxes(vg.astype(f64), -1, -2)) * w
     delta = (dog * og).sum(axis=-1)
     ds = p * (dp - delta[..., None])
+    ds_bias = ds
     if extra["dcap"] is not None:
         ds = ds * extra["dcap"]
     dq = scale * (ds @ kg.astype(f64))
     dk = scale * (np.swapaxes(ds, -1, -2) @ qg.astype(f64)).sum(axis=2)
     grads = (dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dvg.astype(v.dtype))
-    if sinks is None:
-        return grads
-    dsinks = -(extra["psink"] * delta).sum(axis=(0, 3)).reshape(hq)
-    return grads + (dsinks.astype(np.asarray(sinks).dtype),)
+    if sinks is not None:
+        dsinks = -(extra["psink"] * delta).sum(axis=(0, 3)).reshape(hq)
+        grads = grads + (dsinks.astype(np.asarray(sinks).dtype),)
+    if attn_bias is not None:  # the bias is added after the softcap: dS before its derivative
+        grads = grads + (_sum_to(ds_bias.reshape(b, hq, sq, sk), np.shape(attn_bias)).astype(np.asarray(attn_bias).dtype),)
+    return grads
+
+
+def _sum_to(x, shape):
+    """x summed over the dimensions a tensor of ``shape`` was broadcast along."""
+    axes = tuple(i for i, n in enumerate(shape) if n == 1 and x.shape[i] != 1)
+    return x.sum(axis=axes, keepdims=True) if axes else x

@@ -54,7 +54,7 @@ ULP_FLOOR = 0.25  # ulps allowed beyond the half ulp of rounding the result
 # The bias check: significance, the mean error in units of the allowed error, groups it needs, and
 # how far above its allowed error a truth must stand to count.
 BIAS_Z, BIAS_SHARE, BIAS_MIN_GROUPS, BIAS_CLEAR = 5.0, 0.2, 32, 1.0
-K_NAIVE = {"o": 2, "lse": 2, "dq": 3, "dk": 3, "dv": 3, "dsinks": 3}
+K_NAIVE = {"o": 2, "lse": 2, "dq": 3, "dk": 3, "dv": 3, "dsinks": 3, "dbias": 3}
 FLOOR_NAIVE = 8
 
 
@@ -67,6 +67,7 @@ class Truth:
     dv: np.ndarray
     dsinks: np.ndarray | None  # the sink logits' gradient (Hq,); None without sinks
     logit_max: float
+    dbias: np.ndarray | None = None  # the bias tensor's gradient (its shape); None without a bias
 
     def __getitem__(self, name):
         return getattr(self, name)
@@ -142,9 +143,10 @@ def truth(case: AttentionCase) -> Truth:
     q, k, v, do = case.inputs()
     kw = case.reference_kwargs()
     o, lse = reference.dense_forward(q, k, v, probs=_probs(case), **kw)
-    dq, dk, dv, *dsinks = reference.dense_backward(q, k, v, o, lse, do, probs=_probs(case), **kw)
+    dq, dk, dv, *rest = reference.dense_backward(q, k, v, o, lse, do, probs=_probs(case), **kw)
     logit_max = float(np.abs(_parts(case).s).max(initial=0))
-    return Truth(o, lse, dq, dk, dv, dsinks[0] if dsinks else None, logit_max)
+    dsinks = rest[0] if case.sinks is not None else None
+    return Truth(o, lse, dq, dk, dv, dsinks, logit_max, rest[-1] if case.bias is not None else None)
 
 
 @_cached(32)
@@ -169,6 +171,10 @@ def _dense_torch(case: AttentionCase, dtype: str) -> dict:
         slopes = torch.from_numpy(case.alibi_slopes()).to(dt)
         dist = (torch.arange(case.sq)[:, None] + case.sk - case.sq - torch.arange(case.sk)[None, :]).abs().to(dt)
         s = s - slopes.reshape(-1 if slopes.ndim == 2 else 1, case.hq, 1, 1) * dist
+    bias = None
+    if case.bias is not None:  # in t, as its values are; its gradient by autograd
+        bias = torch.from_numpy(case.attn_bias()).to(dt).requires_grad_()
+        s = s + torch.where(torch.isinf(bias), torch.zeros_like(bias), bias)
     s = s.masked_fill(~torch.from_numpy(case.visible()), float("-inf"))
     sink = None
     if case.sinks is not None:  # the sink: one more logit per head in every row, with no value
@@ -179,7 +185,8 @@ def _dense_torch(case: AttentionCase, dtype: str) -> dict:
     o = p[..., :case.sk] @ vv
     lse = torch.logsumexp(s, dim=-1)
     o.backward(do.detach())
-    grads = (("dq", q.grad), ("dk", k.grad), ("dv", v.grad)) + ((("dsinks", sink.grad),) if sink is not None else ())
+    grads = (("dq", q.grad), ("dk", k.grad), ("dv", v.grad)) + ((("dsinks", sink.grad),) if sink is not None else ()) \
+        + ((("dbias", bias.grad),) if bias is not None else ())
     return {n: t.detach().to(torch.float64).numpy() for n, t in (("o", o), ("lse", lse)) + grads}
 
 
@@ -190,6 +197,8 @@ def result_dtype(dtype: str, name: str) -> str:
     float32 for float64 inputs too."""
     if name == "lse" and dtype in HALF:
         return "float32"
+    if name == "dbias" and dtype in HALF:  # the bias is passed as float32 for fp16/bf16 inputs
+        return "float32"
     return "float32" if name == "dsinks" and dtype == "float64" else dtype
 
 
@@ -197,8 +206,15 @@ def half_spacing(x: np.ndarray, dtype: str) -> np.ndarray:
     """Half the gap between neighbouring ``dtype`` values at |x| (subnormals included)."""
     x = np.abs(np.where(np.isfinite(quantize(x, dtype)), x, 0))  # nothing to add where t overflows
     if dtype == "bfloat16":  # bfloat16 keeps float32's exponent range with 8 bits of mantissa
-        return 0.5 * np.spacing(x.astype(np.float32)).astype(np.float64) * 2.0 ** 16
-    return 0.5 * np.spacing(x.astype(dtype)).astype(np.float64)
+        return 0.5 * _spacing(x.astype(np.float32)).astype(np.float64) * 2.0 ** 16
+    return 0.5 * _spacing(x.astype(dtype)).astype(np.float64)
+
+
+def _spacing(x):
+    """np.spacing of |x|, and at the largest finite value (an LSE of a row of finfo.min biases) the gap below it."""
+    with np.errstate(over="ignore"):
+        gap = np.spacing(x)
+    return np.where(np.isinf(gap), x - np.nextafter(x, np.zeros_like(x)), gap)
 
 
 def _swap(x):
@@ -229,6 +245,10 @@ def _naive_allowed(case: AttentionCase) -> dict:
            "dk": sc * (_swap(abs_ds) @ np.abs(pt.q)).sum(2).max(initial=0)}
     if pt.psink is not None:  # dsinks_h = -sum over batch and rows of P_sink * rowsum(dO * O)
         mag["dsinks"] = (pt.psink * (ado * np.abs(pt.o)).sum(-1)).sum(axis=(0, 3)).max(initial=0)
+    if case.bias is not None:  # dbias = dS, summed over the dimensions the bias is broadcast along
+        full = abs_ds.reshape(case.batch, case.hq, case.sq, case.sk)
+        shape = case.attn_bias().shape
+        mag["dbias"] = full.sum(axis=tuple(i for i in (0, 1) if shape[i] == 1), keepdims=True).max(initial=0)
     out = {}
     for n in mag:
         # dsinks of float64 inputs is float32, summed over batch and rows (per sequence, per split...)
