@@ -121,7 +121,7 @@ def main(argv=None) -> int:
         print("reproduced: the implementation raises on this case")
         return 1
     failed = 0
-    for name in ("o", "lse", "dq", "dk", "dv", "dsinks"):
+    for name in ("o", "lse", "dq", "dk", "dv", "dsinks", "dbias"):
         got = getattr(res, name)
         if got is None:
             continue
