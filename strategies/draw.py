@@ -240,8 +240,9 @@ def within(impl, case: AttentionCase) -> AttentionCase:
     c = c.replace(sq=sq, sk=sk)
     if not impl.masked_rows and c.window is not None and not c.visible().any(axis=-1).all():
         c = c.replace(window=None)  # a window that empties rows, for one that declares it cannot have them
-    if not impl.masked_rows and c.mask is not None and not c.visible().any(axis=-1).all():
-        c = c.replace(mask=None)  # and a mask tensor that does
+    for tensor in ("mask", "bias"):  # and a mask tensor, or a bias's -inf entries, that do
+        if not impl.masked_rows and getattr(c, tensor) is not None and not c.visible().any(axis=-1).all():
+            c = c.replace(**{tensor: None})
     if impl.tiles:  # the case shows the tiles the kernel runs with
         c = c.replace(block_q=impl.tiles[0], block_k=impl.tiles[1])
     if isinstance(impl.blocks, tuple):
