@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from hypothesis import example, given, note
+from hypothesis import assume, example, given, note
 
 from flashcheck import oracle as orc
 from flashcheck import strategies as fs
@@ -127,7 +127,10 @@ def test_analytic_backward_agrees_with_central_differences(case):
 @example(case=Case(batch=2, hq=2, hkv=1, sq=4, sk=5, d=2, mask=("rows", True, True, 0.5, 4)))  # per batch and head
 def test_reference_backward_with_every_feature_agrees_with_central_differences(case):
     """d/dt f(x + t u) at t = 0, with f = sum(O * dO), against <grad f, u>, in float64, over q, k, v and
-    the sink logits; dropout enters as a fixed keep mask drawn from the case's dropout seed."""
+    the sink logits; dropout enters as a fixed keep mask drawn from the case's dropout seed. Not with a
+    finfo.min bias: s + finfo.min rounds s away in float64 too, so the forward is flat in q and k
+    there while the analytic gradient (at the rounded P, as a kernel's is) is not."""
+    assume(case.bias is None or case.bias[0] != "min")
     q, k, v, do = case.inputs()
     kw = case.reference_kwargs()
     if case.dropout_p:
