@@ -277,6 +277,9 @@ MALFORMED = [  # (feature, keyword, bad value: a callable of (framework array ma
     ("alibi", "alibi_slopes", lambda arr: arr(np.ones(3, np.float32))),
     ("sinks", "sinks", lambda arr: arr(np.ones((1, 2), np.float32))),
     ("dropout", "dropout_p", lambda arr: 1.0),
+    ("mask", "attn_mask", lambda arr: arr(np.ones((1, 1, 2, 4), bool))),  # Sk is 3
+    ("mask", "attn_mask", lambda arr: arr(np.ones((1, 1, 2, 3), np.float32))),  # not bool
+    ("bias", "attn_bias", lambda arr: arr(np.zeros((1, 3, 2, 3), np.float32))),  # 3 heads of 2
 ]
 
 

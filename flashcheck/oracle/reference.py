@@ -56,9 +56,10 @@ def prepare(q, k, v, causal, scale, who):
 
 
 def _check_features(q, window, softcap, alibi_slopes, sinks, dropout_p, dropout_mask, who, attn_mask=None,
-                    attn_bias=None):
+                    attn_bias=None, sk=None):
     check_features(q, who=who, window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
-                   dropout_p=dropout_p, tables=("float32", "float64"), attn_mask=attn_mask, attn_bias=attn_bias)
+                   dropout_p=dropout_p, tables=("float32", "float64"), attn_mask=attn_mask, attn_bias=attn_bias,
+                   sk=sk)
     if dropout_p > 0 and dropout_mask is None:
         raise ValueError(f"{who}: dense attention with dropout needs the keep mask (dropout_mask=)")
 
@@ -111,7 +112,8 @@ def dense_forward(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0
     probabilities survive; they are scaled by 1 / (1 - dropout_p). The LSE ignores dropout.
     ``probs``: dense_probs' result on the same inputs, where the caller has it (the oracle).
     """
-    _check_features(q, window, softcap, alibi_slopes, sinks, dropout_p, dropout_mask, "numpy-dense", attn_mask, attn_bias)
+    _check_features(q, window, softcap, alibi_slopes, sinks, dropout_p, dropout_mask, "numpy-dense", attn_mask, attn_bias,
+                    np.shape(k)[2])
     p, lse, (_, _, vg, _, (b, hq, sq, _, dv)), _ = probs or dense_probs(
         q, k, v, causal, scale, "numpy-dense", window=window, softcap=softcap, alibi_slopes=alibi_slopes,
         sinks=sinks, attn_mask=attn_mask, attn_bias=attn_bias)
@@ -128,7 +130,8 @@ def dense_backward(q, k, v, o, lse, do, *, causal=False, scale=None, window=None
     dsinks_h = -sum over batch and rows of P_sink * rowsum(dO * O): the sink only
     takes probability away from the keys.
     """
-    _check_features(q, window, softcap, alibi_slopes, sinks, dropout_p, dropout_mask, "numpy-dense", attn_mask, attn_bias)
+    _check_features(q, window, softcap, alibi_slopes, sinks, dropout_p, dropout_mask, "numpy-dense", attn_mask, attn_bias,
+                    np.shape(k)[2])
     p, _, (qg, kg, vg, scale, (b, hq, sq, sk, dv)), extra = probs or dense_probs(
         q, k, v, causal, scale, "numpy-dense", window=window, softcap=softcap, alibi_slopes=alibi_slopes,
         sinks=sinks, attn_mask=attn_mask, attn_bias=attn_bias)
