@@ -38,32 +38,30 @@ def _alibi_invalid(c):
     return None
 
 
-def _mask_invalid(c):
-    from flashcheck.strategies.case import MASK_KINDS
+def _tensor_invalid(c, name: str, out_of_range, ranges: str):
+    """What is wrong with a mask or bias description (kind, per_batch, per_head, param, seed), or None."""
+    from flashcheck.strategies.case import BIAS_KINDS, MASK_KINDS
 
-    m = c.mask
-    if m is None:
+    kinds = MASK_KINDS if name == "mask" else BIAS_KINDS
+    x = getattr(c, name)
+    if x is None:
         return None
-    ok = (isinstance(m, tuple) and len(m) == 5 and m[0] in MASK_KINDS and all(isinstance(x, bool) for x in m[1:3])
-          and isinstance(m[3], (int, float)) and m[3] >= 0 and isinstance(m[4], int))
-    if not ok or (m[0] in ("random", "rows") and m[3] > 1) or (m[0] == "causal" and m[3] not in (0, 1)):
-        return (f"mask must be (kind, per_batch, per_head, param, seed) with kind in {MASK_KINDS}, "
-                f"param a probability (random, rows), a width >= 0 (band) or 0/1 (causal), got {m!r}")
+    ok = (isinstance(x, tuple) and len(x) == 5 and x[0] in kinds and all(isinstance(y, bool) for y in x[1:3])
+          and isinstance(x[3], (int, float)) and x[3] >= 0 and isinstance(x[4], int))
+    if not ok or out_of_range(x[0], x[3]):
+        return f"{name} must be (kind, per_batch, per_head, param, seed) with kind in {kinds}, param {ranges}, got {x!r}"
     return None
+
+
+def _mask_invalid(c):
+    return _tensor_invalid(c, "mask", lambda kind, p: (kind in ("random", "rows") and p > 1)
+                           or (kind == "causal" and p not in (0, 1)),
+                           "a probability (random, rows), a width >= 0 (band) or 0/1 (causal)")
 
 
 def _bias_invalid(c):
-    from flashcheck.strategies.case import BIAS_KINDS
-
-    b = c.bias
-    if b is None:
-        return None
-    ok = (isinstance(b, tuple) and len(b) == 5 and b[0] in BIAS_KINDS and all(isinstance(x, bool) for x in b[1:3])
-          and isinstance(b[3], (int, float)) and b[3] >= 0 and isinstance(b[4], int))
-    if not ok or (b[0] != "normal" and b[3] > 1):
-        return (f"bias must be (kind, per_batch, per_head, param, seed) with kind in {BIAS_KINDS}, param a "
-                f"scale >= 0 (normal) or a fraction of entries (ninf, min), got {b!r}")
-    return None
+    return _tensor_invalid(c, "bias", lambda kind, p: kind != "normal" and p > 1,
+                           "a scale >= 0 (normal) or a fraction of entries (ninf, min)")
 
 
 FEATURES = (

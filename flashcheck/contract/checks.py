@@ -1,7 +1,7 @@
 """Input validation shared by every built-in implementation: bad input is named, never computed."""
 from __future__ import annotations
 
-__all__ = ["alignment", "check_blocks", "check_features", "check_inputs", "check_mask", "check_kvcache", "check_tensors", "check_varlen",
+__all__ = ["alignment", "check_blocks", "check_features", "check_inputs", "check_score_tensor", "check_kvcache", "check_tensors", "check_varlen",
            "dtype_name", "offset"]
 
 
@@ -175,22 +175,22 @@ def check_features(q, *, who: str, window=None, softcap=0.0, alibi_slopes=None, 
     if not (isinstance(dropout_p, (int, float)) and 0 <= dropout_p < 1):
         raise ValueError(f"{who}: dropout_p must be in [0, 1), got {dropout_p!r}")
     if attn_mask is not None:
-        check_mask(attn_mask, q, sk, who=who)
+        check_score_tensor(attn_mask, q, sk, who=who)
     if attn_bias is not None:
-        check_mask(attn_bias, q, sk, who=who, label="attn_bias", dtypes=("float16", "bfloat16", "float32", "float64"))
+        check_score_tensor(attn_bias, q, sk, who=who, label="attn_bias", dtypes=("float16", "bfloat16", "float32", "float64"))
     return window
 
 
-def check_mask(attn_mask, q, sk, *, who: str, label="attn_mask", dtypes=("bool",)):
+def check_score_tensor(x, q, sk, *, who: str, label="attn_mask", dtypes=("bool",)):
     """attn_mask (bool) or attn_bias (float): (B or 1, Hq or 1, Sq, Sk) on q's device (``sk``: None where unknown)."""
     b, hq, sq = q.shape[0], q.shape[1], q.shape[2]
-    shape = tuple(getattr(attn_mask, "shape", ()))
+    shape = tuple(getattr(x, "shape", ()))
     if (len(shape) != 4 or shape[0] not in (1, b) or shape[1] not in (1, hq) or shape[2] != sq
             or (sk is not None and shape[3] != sk)):
         raise ValueError(f"{who}: {label} must have shape (B or 1, Hq or 1, Sq, Sk) = ({b} or 1, {hq} or 1, "
-                         f"{sq}, {'Sk' if sk is None else sk}), got {shape or type(attn_mask).__name__}")
-    if dtype_name(attn_mask) not in dtypes:
+                         f"{sq}, {'Sk' if sk is None else sk}), got {shape or type(x).__name__}")
+    if dtype_name(x) not in dtypes:
         raise TypeError(f"{who}: {label} must be {' or '.join(dtypes)}{' (True = may attend)' if label == 'attn_mask' else ''}, "
-                        f"got {dtype_name(attn_mask)}")
-    if getattr(attn_mask, "device", None) != getattr(q, "device", None):
-        raise ValueError(f"{who}: {label} is on {attn_mask.device}, q on {q.device}")
+                        f"got {dtype_name(x)}")
+    if getattr(x, "device", None) != getattr(q, "device", None):
+        raise ValueError(f"{who}: {label} is on {x.device}, q on {q.device}")
