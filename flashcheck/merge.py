@@ -27,26 +27,52 @@ def merge_attention_states(o_a, lse_a, o_b, lse_b):
     inputs, else in float32, as the LSEs are kept.
     """
     _check(o_a, lse_a, o_b, lse_b)
-    if type(o_a).__module__.startswith("torch"):
-        import torch as xp
-
-        wide = xp.float64 in (o_a.dtype, o_b.dtype, lse_a.dtype, lse_b.dtype)
-        work, to = (xp.float64 if wide else xp.float32), (lambda x, t: x.to(t))
-    else:
-        xp = np
+    xp = _namespace(o_a)
+    if xp is np:
         o_a, lse_a, o_b, lse_b = map(np.asarray, (o_a, lse_a, o_b, lse_b))
-        wide = np.float64 in (o_a.dtype, o_b.dtype, lse_a.dtype, lse_b.dtype)
-        work, to = (np.float64 if wide else np.float32), (lambda x, t: x.astype(t))
-    la, lb = to(lse_a, work), to(lse_b, work)
-    m = xp.maximum(la, lb)  # NaN stays NaN: a NaN LSE is never merged away
-    empty = m == -float("inf")  # -inf on both sides: the row sees no key at all
+    wide = xp.float64 in (o_a.dtype, o_b.dtype, lse_a.dtype, lse_b.dtype)
+    work = xp.float64 if wide else xp.float32
+    return merge_splits(xp.stack([_to(o_a, work), _to(o_b, work)]), xp.stack([_to(lse_a, work), _to(lse_b, work)]),
+                        dtype=o_a.dtype)
+
+
+def merge_splits(o, lse, *, dtype=None):
+    """(o, lse) of attention over the keys of N states at once, as a split-KV kernel's combine step
+    does: ``o`` (N, ..., S, Dv), ``lse`` (N, ..., S).
+
+    One pass, from the largest LSE of each row, rounds the merged LSE once. Merging N states two
+    at a time rounds it N - 1 times instead, and at many splits that alone can pass the oracle's
+    bound for a single kernel (tests/test_merge.py measures both).
+    """
+    xp = _namespace(o)
+    if xp is np:
+        o, lse = np.asarray(o), np.asarray(lse)
+    work = xp.float64 if xp.float64 in (o.dtype, lse.dtype) else xp.float32
+    if o.shape[:-1] != lse.shape or o.ndim < 3:
+        raise ValueError(f"merge_splits: expected o (N, ..., S, Dv) and lse (N, ..., S), got o {tuple(o.shape)} "
+                         f"and lse {tuple(lse.shape)}")
+    ls = _to(lse, work)
+    m = ls.max(0) if xp is np else ls.amax(0)  # NaN stays NaN: a NaN LSE is never merged away
+    empty = m == -float("inf")  # -inf in every state: the row sees no key at all
     m0 = xp.where(empty, 0.0, m)
-    wa, wb = xp.exp(la - m0), xp.exp(lb - m0)  # at most 1; exp(-inf) = 0 for an empty side
-    total = xp.where(empty, 1.0, wa + wb)
-    lse = xp.where(empty, -float("inf"), m0 + xp.log(total))
+    w = xp.exp(ls - m0)  # at most 1; exp(-inf) = 0 for an empty state
+    total = xp.where(empty, 1.0, w.sum(0))
+    merged = xp.where(empty, -float("inf"), m0 + xp.log(total))
     scale = xp.where(empty, 0.0, 1.0 / total)
-    o = (wa * scale)[..., None] * to(o_a, work) + (wb * scale)[..., None] * to(o_b, work)
-    return to(o, o_a.dtype), to(lse, work)
+    out = ((w * scale)[..., None] * _to(o, work)).sum(0)
+    return _to(out, o.dtype if dtype is None else dtype), merged
+
+
+def _to(x, dtype):
+    return x.astype(dtype) if isinstance(x, np.ndarray) else x.to(dtype)
+
+
+def _namespace(x):
+    if type(x).__module__.startswith("torch"):
+        import torch
+
+        return torch
+    return np
 
 
 def _check(o_a, lse_a, o_b, lse_b):

@@ -79,3 +79,28 @@ def test_torch_tensors_merge_as_arrays_do_and_keep_their_dtype():
 def test_malformed_states_raise_an_error_naming_the_problem(bad, message):
     with pytest.raises((ValueError, TypeError), match=message.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
         merge_attention_states(*bad)
+
+
+def test_many_splits_merged_at_once_round_the_lse_once():
+    """64 float32 states far from 0 (the negative regime's LSEs): one combine step errs by about
+    one rounding of the LSE; merging them two at a time rounds it 63 times, and errs more. That
+    gap once put torch-tiled-kvcache's LSE past the oracle's bound at 64 splits."""
+    from flashcheck.merge import merge_splits
+
+    rng = np.random.default_rng(0)
+    n, rows = 64, 4096
+    lse = (rng.normal(-30.0, 1.0, (n, rows))).astype(np.float32)
+    o = rng.normal(0.0, 1.0, (n, rows, 4)).astype(np.float32)
+    top = lse.astype(np.float64).max(0)
+    exact = top + np.log(np.exp(lse.astype(np.float64) - top).sum(0))
+    _, at_once = merge_splits(o, lse)
+    pairwise_o, pairwise = o[0], lse[0]
+    for i in range(1, n):
+        pairwise_o, pairwise = merge_attention_states(pairwise_o, pairwise, o[i], lse[i])
+    u = 2.0 ** -24
+    err_once, err_pairs = np.abs(at_once - exact), np.abs(pairwise - exact)
+    one_rounding = u * np.abs(exact) + u * (2 + np.sqrt(n))
+    assert (err_once <= one_rounding).all(), (f"merged at once: expected an LSE error within one rounding "
+                                              f"({one_rounding.max():.3g}), got {err_once.max():.3g}")
+    assert err_pairs.max() > 4 * err_once.max(), (f"merged two at a time: expected the 63 roundings to show, got "
+                                                  f"{err_pairs.max():.3g} against {err_once.max():.3g} at once")
