@@ -185,6 +185,8 @@ def _register(name, backend, *, devices, dtypes, gqa=HAS_GQA, head_dims=(1, 256)
                    known_issues=known_issues, precision=precision, window=masks, mask=masks,
                    # the CPU flash kernel takes no attn_mask that requires grad ("No available kernel")
                    bias=masks and backend == SDPBackend.MATH,
+                   # plain torch ops: capturable, and traceable by dynamo (properties/test_launch.py)
+                   cuda_graphs="cuda" in devices, compile=True,
                    # the math backend is plain matmuls: any view; the fused ones vectorize their loads
                    layouts=tuple(MEMORY) if backend == SDPBackend.MATH else DEFAULT)(attention)
     return attention

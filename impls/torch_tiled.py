@@ -296,7 +296,7 @@ def dropout_mask(q, k, v, p, seed):
 @implementation(name=WHO, causal=("bottom_right", "top_left"), dtypes=DTYPES, devices=("cpu", "cuda"),
                 backward=True, gqa=True, lse=True, framework="torch", blocks="any",
                 window=True, softcap=True, alibi=True, sinks=True, dropout=True, dropout_mask=dropout_mask,
-                mask=True, bias=True, layouts=tuple(MEMORY))
+                mask=True, bias=True, layouts=tuple(MEMORY), cuda_graphs=True)
 def attention(q, k, v, *, causal=False, scale=None, block_q=256, block_k=256, window=(-1, -1), softcap=0.0,
               alibi_slopes=None, sinks=None, dropout_p=0.0, dropout_seed=0, attn_mask=None, attn_bias=None):
     """Tiled FlashAttention. Returns O in the input dtype and LSE (float32 for fp16/bf16 inputs);

@@ -5,7 +5,8 @@ same path a user's plug-in takes. The table printed at the end is README's mutan
 """
 import pytest
 
-from mutants import features, fixed_tiles, harness, kvcache, masks, precision, races, strides, tiled, varlen
+from flashcheck.contract import call
+from mutants import features, fixed_tiles, harness, kvcache, launch, masks, precision, races, strides, tiled, varlen
 
 try:
     from mutants import triton as triton_mutants
@@ -22,6 +23,8 @@ MUTANTS += [(f"mutants/kvcache.py:{bug}", what) for bug, what in kvcache.BUGS.it
 MUTANTS += [(f"mutants/strides.py:{bug}", what) for bug, what in strides.BUGS.items()]
 MUTANTS += [(f"mutants/races.py:{bug}", what) for bug, what in races.BUGS.items()]
 MUTANTS += [(f"mutants/masks.py:{bug}", what) for bug, what in masks.BUGS.items()]
+if call.cuda_available():  # launch context: streams and graphs are CUDA's
+    MUTANTS += [(f"mutants/launch.py:{bug}", what) for bug, what in launch.BUGS.items()]
 if triton_mutants is not None:
     MUTANTS += [(f"mutants/triton.py:{bug}", what) for bug, what in triton_mutants.BUGS.items()]
     MUTANTS += [(f"mutants/triton.py:{bug}", what) for bug, what in triton_mutants.FEATURE_BUGS.items()]
@@ -36,7 +39,7 @@ SLOW_KILLS = {spec for spec, _ in PRECISION}
 # main suite already, so repeating them here through the harness is opt-in (slow).
 CORRECT = ["mutants/tiled.py:correct", "mutants/features.py:correct", "mutants/fixed_tiles.py:correct",
            "mutants/varlen.py:correct", "mutants/kvcache.py:correct", "mutants/strides.py:correct",
-           "mutants/masks.py:correct",
+           "mutants/masks.py:correct", *(["mutants/launch.py:correct"] if call.cuda_available() else []),
            pytest.param("mutants/precision.py:correct", id="precision-correct"),
            pytest.param("flashcheck.impls.numpy_ref:tiled_forward", marks=pytest.mark.slow),
            pytest.param("flashcheck.impls.triton_fused:attention", marks=pytest.mark.slow)]
@@ -53,6 +56,8 @@ def _files(spec):
         return ["properties/test_races.py"]  # a race shows only when one input is called again and again
     if spec.startswith("mutants/kvcache.py"):
         return ["properties/test_kvcache.py"]  # cache bugs show in the cache's own layouts
+    if spec.startswith("mutants/launch.py"):
+        return ["properties/test_launch.py"]  # launch bugs show only in the launch context
     if spec.startswith("mutants/masks.py"):
         return ["properties/test_features.py"]  # a mask tensor is a feature: drawn by the feature properties
     if spec.startswith("mutants/precision.py"):

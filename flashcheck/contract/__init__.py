@@ -81,6 +81,9 @@ class Implementation:
     supports: Callable | None = None  # case -> True, or False / a reason string when it cannot run it
     scale_arg: bool = True  # False: the function takes no scale= and always uses 1/sqrt(D)
     deterministic: bool = False  # repeated calls on one input are bitwise identical (checked)
+    # Launch context (flashcheck/contract/launch.py); every CUDA kernel is called on a side stream.
+    cuda_graphs: bool = False  # capturable in a CUDA graph, and its replay reads the inputs' new values
+    compile: bool = False  # torch.compile(fullgraph=False) of the call gives the eager results
     layouts: tuple[str, ...] = DEFAULT_LAYOUTS  # how its torch inputs may lie (contract/memory.py); add "unaligned"
     # where it takes pointers and row strides off 16-byte alignment
     # Layouts (docs/features.md): a kernel that declares one is called only in it.
@@ -235,7 +238,8 @@ def _validate(i: Implementation) -> None:
         if getattr(i, tensor) and (i.varlen or i.kvcache):
             raise ContractError(f"implementation {name!r}: {tensor}=True is a dense-layout feature: attn_{tensor} is "
                                 "(B or 1, Hq or 1, Sq, Sk); declare it on the dense kernel, not with varlen or kvcache")
-    for flag in ("causal_only", "scale_arg", "deterministic", "varlen", "kvcache", "kv_append", "paged", "splits"):
+    for flag in ("causal_only", "scale_arg", "deterministic", "cuda_graphs", "compile", "varlen", "kvcache",
+                 "kv_append", "paged", "splits"):
         put(flag, bool(getattr(i, flag)))
 
 

@@ -51,6 +51,18 @@ def _independent(i: Implementation) -> str | None:
     return None
 
 
+def _cuda(i: Implementation) -> str | None:
+    from flashcheck.contract.call import cuda_available
+
+    if not cuda_available():
+        return "no CUDA device here: a launch-context property (the gpu lane runs it)"
+    if "cuda" not in i.devices:
+        return f"{i.name} does not declare devices=(..., 'cuda')"
+    if i.framework != "torch":
+        return f"{i.name} is not a torch kernel: streams and graphs are torch's here"
+    return None
+
+
 CAPABILITIES = {
     "lse": lambda i: None if i.lse else f"{i.name} does not declare lse",
     "backward": lambda i: None if i.has_backward else f"{i.name} does not declare backward",
@@ -58,6 +70,9 @@ CAPABILITIES = {
     "causal": lambda i: None if i.causal else f"{i.name} has no causal mode",
     "non_causal": lambda i: f"{i.name} is causal_only: it has no non-causal mode" if i.causal_only else None,
     "deterministic": lambda i: None if i.deterministic else f"{i.name} does not declare deterministic=True",
+    "cuda": _cuda,
+    "cuda_graphs": lambda i: None if i.cuda_graphs else f"{i.name} does not declare cuda_graphs=True",
+    "compile": lambda i: None if i.compile else f"{i.name} does not declare compile=True",
     "masked_rows": _masked_rows,
     "masked": _masked,
     "independent": _independent,
