@@ -83,9 +83,10 @@ CAPABILITIES = {
     "paged": lambda i: None if i.paged else f"{i.name} does not declare paged=True (a block table)",
     "splits": lambda i: None if i.splits else f"{i.name} does not declare splits=True (num_splits)",
     # tests that call the kernel directly with malformed dense tensors; a layout has its own
-    "dense": lambda i: f"{i.name} takes packed sequences (varlen=True): properties/test_varlen.py checks its "
-    "input validation" if i.varlen else f"{i.name} takes a KV cache (kvcache=True): properties/test_kvcache.py "
-    "checks its input validation" if i.kvcache else None,
+    "dense": lambda i: f"{i.name} takes packed sequences (varlen=True), and this property calls dense (B, H, S, D) "
+    "tensors directly (properties/test_varlen.py has the packed layout's own)" if i.varlen else f"{i.name} takes a "
+    "KV cache (kvcache=True), and this property calls dense (B, H, S, D) tensors directly "
+    "(properties/test_kvcache.py has the cache's own)" if i.kvcache else None,
     # the feature matrix (docs/features.md)
     **{f: (lambda f: lambda i: None if getattr(i, f) else f"{i.name} does not declare {f}=True")(f)
        for f in feature_table.NAMES},
