@@ -12,6 +12,7 @@ MODULES = (
     ("flashcheck.impls.torch_tiled", ["torch-tiled", "torch-tiled-varlen"]),
     ("flashcheck.impls.torch_cache", ["torch-tiled-kvcache"]),
     ("flashcheck.impls.triton_fused", ["triton-fused"]),
+    ("flashcheck.impls.triton_varlen", ["triton-fused-varlen"]),
     ("flashcheck.impls.triton_decode", ["triton-decode"]),
     ("flashcheck.impls.sdpa", ["sdpa-math", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn"]),
     ("flashcheck.impls.flex", ["flex"]),

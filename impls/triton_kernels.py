@@ -13,6 +13,14 @@ Optional features, each a constexpr flag so that the plain kernel compiles exact
 - ALIBI: logits get -slope_h * |i + DIAG - j| (DIAG = Sk - Sq), slopes float32 at SLOPES + b * ssb + h;
 - HAS_SINKS: one float32 logit per query head (SINKS + h) joins each row's softmax denominator.
 
+IS_VARLEN (constexpr, default off): a packed batch (flashcheck/contract/packed.py), q (Tq, Hq, D),
+k (Tk, Hkv, D), v (Tk, Hkv, Dv), the token strides in the sequence-stride slots (sqm, skn, ...), lse and
+delta (Hq, Tq). Program (tile, h, b) reads sequence b's start and length from CU_Q / CU_K (int32,
+B + 1 offsets), offsets its pointers by the start, masks rows and keys past its own lengths, and returns
+at once when its tile starts past them (the grid covers the longest sequence). Sq, Sk then carry the
+packed totals Tq, Tk; OFF and LOFF are relative to the sequence's own diagonal Sk_b - Sq_b, and TOP caps
+the right edge absolutely (0 for top-left causal, a huge number otherwise); DIAG is Sk_b - Sq_b.
+
 Conventions shared by every kernel:
 - head dims are padded to a power of two (D_PAD, DV_PAD >= 16); PAD_D / PAD_DV say whether the
   padding is real, so the column masks vanish at compile time when it is not;
@@ -34,8 +42,8 @@ LN2 = tl.constexpr(0.6931471805599453)
 # unspecialized, one compiled forward serves every shape of a (dtype, tiles, flags) combination, at
 # the same TFLOP/s on the H200 (bf16, D = 128, N = 4096 and 16384: 501-517 against 497-506).
 # The backward kernels keep them specialized: without, they ran 6-11% slower in that measurement.
-SHAPE_INTS = ["Hq", "G", "Sq", "Sk", "D", "Dv", "OFF", "LOFF", "DIAG"]
-FEATURE_INTS = ["LOFF", "DIAG"]  # shape-dependent feature offsets, unspecialized everywhere
+SHAPE_INTS = ["Hq", "G", "Sq", "Sk", "D", "Dv", "OFF", "LOFF", "DIAG", "TOP"]
+FEATURE_INTS = ["LOFF", "DIAG", "TOP"]  # shape-dependent feature offsets, unspecialized everywhere
 
 
 @triton.jit
@@ -131,6 +139,20 @@ def _slope(SLOPES, ssb, b, h, ALIBI: tl.constexpr):
         return 0.0
 
 
+@triton.jit
+def _sequence(CU, b):
+    """IS_VARLEN: (first token as int64, length) of sequence b on one side of the packed batch."""
+    start = tl.load(CU + b)
+    return start.to(tl.int64), tl.load(CU + b + 1) - start
+
+
+@triton.jit
+def _band(Sq, Sk, OFF, LOFF, TOP):
+    """IS_VARLEN: one sequence's (OFF, LOFF, DIAG) from its own lengths (see the module's docstring)."""
+    diag = Sk - Sq
+    return tl.minimum(diag + OFF, TOP), diag + LOFF, diag
+
+
 # ----------------------------------------------------------------------------------- forward
 
 @triton.jit
@@ -190,18 +212,34 @@ def attn_fwd(Q, K, V, O, LSE,
              CAUSAL: tl.constexpr, LEFT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
              HAS_SINKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
              D_PAD: tl.constexpr, DV_PAD: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr,
-             DOT_PREC: tl.constexpr):
+             DOT_PREC: tl.constexpr, CU_Q=None, CU_K=None, TOP=0, IS_VARLEN: tl.constexpr = False):
     pid_m = tl.program_id(0)
     if CAUSAL:  # the last query tiles see the most keys: start them first to shorten the tail
         pid_m = tl.num_programs(0) - 1 - pid_m
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // Hq).to(tl.int64)
-    h = (pid_bh % Hq).to(tl.int64)
+    if IS_VARLEN:  # grid (tiles, Hq, B): the order of (tiles, B * Hq), with no axis past 65535 programs
+        b = tl.program_id(2).to(tl.int64)
+        h = tl.program_id(1).to(tl.int64)
+    else:
+        pid_bh = tl.program_id(1)
+        b = (pid_bh // Hq).to(tl.int64)
+        h = (pid_bh % Hq).to(tl.int64)
     hk = h // G
-    q_base = Q + b * sqb + h * sqh
-    k_base = K + b * skb + hk * skh
-    v_base = V + b * svb + hk * svh
     m0 = pid_m * BLOCK_M
+    if IS_VARLEN:  # sequence b's own tokens: Sq, Sk become its lengths
+        q_start, seq_q = _sequence(CU_Q, b)
+        if m0 >= seq_q:  # a tile past this sequence's queries
+            return
+        k_start, Sk = _sequence(CU_K, b)
+        row_base = h * Sq + q_start  # lse (Hq, Tq)
+        Sq = seq_q
+        OFF, LOFF, DIAG = _band(Sq, Sk, OFF, LOFF, TOP)
+        q_off, k_off, v_off, o_off = q_start * sqm, k_start * skn, k_start * svn, q_start * som
+    else:
+        row_base = pid_bh.to(tl.int64) * Sq
+        q_off, k_off, v_off, o_off = b * sqb, b * skb, b * svb, b * sob
+    q_base = Q + q_off + h * sqh
+    k_base = K + k_off + hk * skh
+    v_base = V + v_off + hk * svh
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D_PAD)
     offs_dv = tl.arange(0, DV_PAD)
@@ -232,13 +270,15 @@ def attn_fwd(Q, K, V, O, LSE,
                                BLOCK_N, D_PAD, DV_PAD, PAD_D, PAD_DV, DOT_PREC)
 
     seen = l_i > 0.0  # with a finite sink every row has l >= 1: O = 0 where it saw no key, LSE = sink
+    if IS_VARLEN:
+        seen = seen & (Sk > 0)  # but a sequence without keys has LSE = -inf, sink or not
     l_safe = tl.where(seen, l_i, 1.0)
     o = acc / l_safe[:, None]  # rows that saw nothing have acc = 0, so O = 0
     lse = tl.where(seen, (m_i + tl.log2(l_safe)) * LN2, float("-inf"))  # back to natural log
-    o_base = O + b * sob + h * soh
+    o_base = O + o_off + h * soh
     _store2d(o_base + offs_m[:, None] * som + offs_dv[None, :], o.to(O.dtype.element_ty),
              offs_m, Sq, offs_dv, Dv, PAD_DV)
-    tl.store(LSE + pid_bh.to(tl.int64) * Sq + offs_m, lse, mask=offs_m < Sq)
+    tl.store(LSE + row_base + offs_m, lse, mask=offs_m < Sq)
 
 
 # ---------------------------------------------------------------------------------- backward
@@ -312,19 +352,35 @@ def attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV,
                   CAUSAL: tl.constexpr, LEFT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   D_PAD: tl.constexpr, DV_PAD: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr,
-                  DOT_PREC: tl.constexpr):
+                  DOT_PREC: tl.constexpr, CU_Q=None, CU_K=None, TOP=0, IS_VARLEN: tl.constexpr = False):
     """One program per (key tile, batch, kv head): loops over the group's query heads and query tiles."""
     pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // Hkv).to(tl.int64)
-    hk = (pid_bh % Hkv).to(tl.int64)
+    if IS_VARLEN:  # grid (key tiles, Hkv, B)
+        b = tl.program_id(2).to(tl.int64)
+        hk = tl.program_id(1).to(tl.int64)
+    else:
+        pid_bh = tl.program_id(1)
+        b = (pid_bh // Hkv).to(tl.int64)
+        hk = (pid_bh % Hkv).to(tl.int64)
     n0 = pid_n * BLOCK_N
+    if IS_VARLEN:  # sequence b's own tokens: Sq, Sk become its lengths
+        k_start, seq_k = _sequence(CU_K, b)
+        if n0 >= seq_k:  # a tile past this sequence's keys
+            return
+        q_start, seq_q = _sequence(CU_Q, b)
+        Tq = Sq
+        Sq, Sk = seq_q, seq_k
+        OFF, LOFF, DIAG = _band(Sq, Sk, OFF, LOFF, TOP)
+        q_off, do_off, k_off, v_off = q_start * sqm, q_start * sdom, k_start * skn, k_start * svn
+        dk_off, dv_off = k_start * sdkn, k_start * sdvn
+    else:
+        q_off, do_off, k_off, v_off, dk_off, dv_off = b * sqb, b * sdob, b * skb, b * svb, b * sdkb, b * sdvb
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D_PAD)
     offs_dv = tl.arange(0, DV_PAD)
-    k = _load2d(K + b * skb + hk * skh + offs_n[:, None] * skn + offs_d[None, :], offs_n, Sk, offs_d, D,
+    k = _load2d(K + k_off + hk * skh + offs_n[:, None] * skn + offs_d[None, :], offs_n, Sk, offs_d, D,
                 True, PAD_D)
-    v = _load2d(V + b * svb + hk * svh + offs_n[:, None] * svn + offs_dv[None, :], offs_n, Sk, offs_dv, Dv,
+    v = _load2d(V + v_off + hk * svh + offs_n[:, None] * svn + offs_dv[None, :], offs_n, Sk, offs_dv, Dv,
                 True, PAD_DV)
     dk = tl.zeros([BLOCK_N, D_PAD], tl.float32)
     dv = tl.zeros([BLOCK_N, DV_PAD], tl.float32)
@@ -346,9 +402,12 @@ def attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV,
         full = Sq
     for g in range(G):
         h = hk * G + g
-        q_base = Q + b * sqb + h * sqh
-        do_base = DO + b * sdob + h * sdoh
-        row_base = (b * Hq + h) * Sq
+        q_base = Q + q_off + h * sqh
+        do_base = DO + do_off + h * sdoh
+        if IS_VARLEN:
+            row_base = h * Tq + q_start  # lse, delta (Hq, Tq)
+        else:
+            row_base = (b * Hq + h) * Sq
         slope2 = _slope(SLOPES, ssb, b, h, ALIBI)
         dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, LSE, DELTA, row_base, sqm, sdom, lo, mid, offs_n,
                              Sq, D, Dv, OFF, qk_scale, LOFF, DIAG, cap2, slope2, True, CAUSAL, LEFT, SOFTCAP,
@@ -361,9 +420,9 @@ def attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV,
                                  offs_n, Sq, D, Dv, OFF, qk_scale, LOFF, DIAG, cap2, slope2, True, CAUSAL, LEFT,
                                  SOFTCAP, ALIBI, BLOCK_M, D_PAD, DV_PAD, PAD_D, PAD_DV, DOT_PREC)
     dk = dk * sm_scale
-    _store2d(DK + b * sdkb + hk * sdkh + offs_n[:, None] * sdkn + offs_d[None, :], dk.to(DK.dtype.element_ty),
+    _store2d(DK + dk_off + hk * sdkh + offs_n[:, None] * sdkn + offs_d[None, :], dk.to(DK.dtype.element_ty),
              offs_n, Sk, offs_d, D, PAD_D)
-    _store2d(DV + b * sdvb + hk * sdvh + offs_n[:, None] * sdvn + offs_dv[None, :], dv.to(DV.dtype.element_ty),
+    _store2d(DV + dv_off + hk * sdvh + offs_n[:, None] * sdvn + offs_dv[None, :], dv.to(DV.dtype.element_ty),
              offs_n, Sk, offs_dv, Dv, PAD_DV)
 
 
@@ -395,27 +454,44 @@ def attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ,
                 CAUSAL: tl.constexpr, LEFT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 D_PAD: tl.constexpr, DV_PAD: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr,
-                DOT_PREC: tl.constexpr):
+                DOT_PREC: tl.constexpr, CU_Q=None, CU_K=None, TOP=0, IS_VARLEN: tl.constexpr = False):
     """One program per (query tile, batch, query head): loops over the key tiles it sees."""
     pid_m = tl.program_id(0)
     if CAUSAL:
         pid_m = tl.num_programs(0) - 1 - pid_m
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // Hq).to(tl.int64)
-    h = (pid_bh % Hq).to(tl.int64)
+    if IS_VARLEN:  # grid (tiles, Hq, B): the order of (tiles, B * Hq), with no axis past 65535 programs
+        b = tl.program_id(2).to(tl.int64)
+        h = tl.program_id(1).to(tl.int64)
+    else:
+        pid_bh = tl.program_id(1)
+        b = (pid_bh // Hq).to(tl.int64)
+        h = (pid_bh % Hq).to(tl.int64)
     hk = h // G
     m0 = pid_m * BLOCK_M
+    if IS_VARLEN:  # sequence b's own tokens: Sq, Sk become its lengths
+        q_start, seq_q = _sequence(CU_Q, b)
+        if m0 >= seq_q:  # a tile past this sequence's queries
+            return
+        k_start, Sk = _sequence(CU_K, b)
+        row_base = h * Sq + q_start  # lse, delta (Hq, Tq)
+        Sq = seq_q
+        OFF, LOFF, DIAG = _band(Sq, Sk, OFF, LOFF, TOP)
+        q_off, do_off, k_off, v_off, dq_off = q_start * sqm, q_start * sdom, k_start * skn, k_start * svn, \
+            q_start * sdqm
+    else:
+        row_base = pid_bh.to(tl.int64) * Sq
+        q_off, do_off, k_off, v_off, dq_off = b * sqb, b * sdob, b * skb, b * svb, b * sdqb
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D_PAD)
     offs_dv = tl.arange(0, DV_PAD)
-    q = _load2d(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :], offs_m, Sq, offs_d, D,
+    q = _load2d(Q + q_off + h * sqh + offs_m[:, None] * sqm + offs_d[None, :], offs_m, Sq, offs_d, D,
                 True, PAD_D)
-    do = _load2d(DO + b * sdob + h * sdoh + offs_m[:, None] * sdom + offs_dv[None, :], offs_m, Sq, offs_dv, Dv,
+    do = _load2d(DO + do_off + h * sdoh + offs_m[:, None] * sdom + offs_dv[None, :], offs_m, Sq, offs_dv, Dv,
                  True, PAD_DV)
-    lse2, delta = _row_stats(LSE, DELTA, pid_bh.to(tl.int64) * Sq, offs_m, Sq)
+    lse2, delta = _row_stats(LSE, DELTA, row_base, offs_m, Sq)
     slope2 = _slope(SLOPES, ssb, b, h, ALIBI)
-    k_base = K + b * skb + hk * skh
-    v_base = V + b * svb + hk * svh
+    k_base = K + k_off + hk * skh
+    v_base = V + v_off + hk * svh
     dq = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     lo, hi = _key_range(m0, Sk, OFF, BLOCK_M, BLOCK_N, CAUSAL)
     if LEFT:
@@ -432,5 +508,5 @@ def attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ,
                    LOFF, DIAG, cap2, slope2, True, CAUSAL, LEFT, SOFTCAP, ALIBI,
                    BLOCK_N, D_PAD, DV_PAD, PAD_D, PAD_DV, DOT_PREC)
     dq = dq * sm_scale
-    _store2d(DQ + b * sdqb + h * sdqh + offs_m[:, None] * sdqm + offs_d[None, :], dq.to(DQ.dtype.element_ty),
+    _store2d(DQ + dq_off + h * sdqh + offs_m[:, None] * sdqm + offs_d[None, :], dq.to(DQ.dtype.element_ty),
              offs_m, Sq, offs_d, D, PAD_D)
