@@ -121,8 +121,6 @@ def feature_mask(q, k, causal: bool, window, alibi_slopes, attn_mask=None, attn_
 def call_sdpa(q, k, v, *, backend, causal: bool, scale, head_dim_multiple=1, min_keys=1, square_causal=False,
               attn_mask=None):
     """SDPA on one backend, adapting (exactly) the inputs to the backend's shape limits."""
-    if attn_mask is not None:  # the feature mask already holds the causal mask
-        return _sdpa(q, k, v, backend, False, scale, attn_mask)
     d, dv, sq, sk = q.shape[-1], v.shape[-1], q.shape[2], k.shape[2]
     dp, dvp = _round_up(d, head_dim_multiple), _round_up(dv, head_dim_multiple)
     if (dp, dvp) != (d, dv):
@@ -133,9 +131,14 @@ def call_sdpa(q, k, v, *, backend, causal: bool, scale, head_dim_multiple=1, min
     if sk == 1 < min_keys:
         # The single key and value, twice: the softmax weights split 1/2 + 1/2 and O = v is unchanged;
         # under top-left causal row 0 sees the first copy, later rows both (O = v either way).
+        # A mask's one column goes with its key (the causal mask is already in it).
         k, v = k.expand(-1, -1, 2, -1).contiguous(), v.expand(-1, -1, 2, -1).contiguous()
         sk = 2
-    if causal and square_causal and sq != sk:
+        if attn_mask is not None:
+            attn_mask = attn_mask.expand(*attn_mask.shape[:-1], 2)
+    if attn_mask is not None:  # the feature mask already holds the causal mask
+        o = _sdpa(q, k, v, backend, False, scale, attn_mask)
+    elif causal and square_causal and sq != sk:
         if sq < sk:
             # Top-left: no row sees a key at or past Sq, so those keys drop out (their dK, dV are 0).
             o = _sdpa(q, k[:, :, :sq].contiguous(), v[:, :, :sq].contiguous(), backend, True, scale)
@@ -149,11 +152,29 @@ def call_sdpa(q, k, v, *, backend, causal: bool, scale, head_dim_multiple=1, min
     return o[..., :dv] if dvp != dv else o
 
 
+def takes_mask(backend, device="cpu", dtype=torch.float32, grad=False) -> bool:
+    """Whether this backend runs one tiny call with an additive attn_mask (and, with ``grad``, returns
+    that mask's gradient): the window and mask tensors (and bias tensors) are declared from it."""
+    try:
+        q = torch.randn(1, 2, 4, 8, device=device, dtype=dtype, requires_grad=grad)
+        mask = torch.zeros(1, 2, 4, 4, device=device, dtype=dtype, requires_grad=grad)
+        with warnings.catch_warnings(), sdpa_kernel(backend):
+            warnings.simplefilter("ignore")  # a refusing backend explains itself in warnings
+            o = F.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+        if grad:
+            o.sum().backward()
+            return mask.grad is not None
+        return True
+    except (TypeError, RuntimeError):
+        return False
+
+
 def _register(name, backend, *, devices, dtypes, gqa=HAS_GQA, head_dims=(1, 256), equal_head_dims=False,
-              known_issues=(), precision="fused", masks=False, **adapt):
-    """``masks=True``: the backend takes an attn_mask with no shape adaptation, so it declares the
-    window and mask tensors. (ALiBi through attn_mask is not declared: SDPA wants the mask in the input type, which
-    rounds an fp16/bf16 bias to 2-3 digits, 2x past a fused kernel's error on the H200-free CPU run.)"""
+              known_issues=(), precision="fused", masks=False, bias=False, **adapt):
+    """``masks=True``: the backend takes an additive attn_mask, so it declares the window and mask
+    tensors; ``bias=True``: and returns its gradient, so it declares bias tensors. (ALiBi through attn_mask
+    is not declared: SDPA wants the mask in the input type, which rounds an fp16/bf16 bias to 2-3 digits,
+    2x past a fused kernel's error on the H200-free CPU run.)"""
     who = name
 
     def attention(q, k, v, *, causal=False, scale=None, window=None, alibi_slopes=None, attn_mask=None,
@@ -183,8 +204,7 @@ def _register(name, backend, *, devices, dtypes, gqa=HAS_GQA, head_dims=(1, 256)
     implementation(name=name, causal=("top_left",), dtypes=dtypes, devices=devices, backward=True,
                    gqa=gqa, lse=False, framework="torch", head_dims=head_dims, equal_head_dims=equal_head_dims,
                    known_issues=known_issues, precision=precision, window=masks, mask=masks,
-                   # the CPU flash kernel takes no attn_mask that requires grad ("No available kernel")
-                   bias=masks and backend == SDPBackend.MATH,
+                   bias=bias,
                    # plain torch ops: capturable, and traceable by dynamo (properties/test_launch.py)
                    cuda_graphs="cuda" in devices, compile=True,
                    # the math backend is plain matmuls: any view; the fused ones vectorize their loads
@@ -224,13 +244,16 @@ def _available(name, backend, device="cpu", dtype=torch.float32) -> bool:
 # On CUDA the math backend rounds S = q k^T to fp16/bf16 before the softmax: plain dense
 # attention in the input type, held to the naive rule. On the CPU it computes in float32.
 math_attention = _register("sdpa-math", SDPBackend.MATH, devices=("cpu", "cuda") if _CUDA else ("cpu",),
-                           dtypes=DTYPES, precision="naive" if _CUDA else "fused", masks=True)
+                           dtypes=DTYPES, precision="naive" if _CUDA else "fused", masks=True, bias=True)
 
 if _CUDA:
     # The suite runs a declared CUDA implementation on CUDA when it is present, so each fused backend
     # is registered for the device whose kernel it names, and only if it runs on this GPU.
     def _cuda(backend):
-        return {"gqa": runs(backend, "cuda", torch.float16, gqa=True)}
+        """What one tiny fp16 call on this GPU shows the backend takes: GQA, an attn_mask, its gradient."""
+        return {"gqa": runs(backend, "cuda", torch.float16, gqa=True),
+                "masks": takes_mask(backend, "cuda", torch.float16),
+                "bias": takes_mask(backend, "cuda", torch.float16, grad=True)}
 
     if _available("sdpa-flash", SDPBackend.FLASH_ATTENTION, "cuda", torch.float16):
         flash_attention = _register("sdpa-flash", SDPBackend.FLASH_ATTENTION, devices=("cuda",),
@@ -241,8 +264,7 @@ if _CUDA:
         # torch 2.11): it is held to the naive rule.
         efficient_attention = _register("sdpa-efficient", SDPBackend.EFFICIENT_ATTENTION, devices=("cuda",),
                                         dtypes=("float32", "float16", "bfloat16"), head_dim_multiple=8,
-                                        precision="naive",
-                                        **_cuda(SDPBackend.EFFICIENT_ATTENTION))  # pads D: no attn_mask path
+                                        precision="naive", **_cuda(SDPBackend.EFFICIENT_ATTENTION))
     if _available("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION, "cuda", torch.float16):
         cudnn_attention = _register("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION, devices=("cuda",),
                                     dtypes=("float16", "bfloat16"), head_dims=(1, 128), head_dim_multiple=8,
@@ -254,7 +276,8 @@ elif _available("sdpa-flash", SDPBackend.FLASH_ATTENTION):
     # to the naive rule, k x the error of plain dense attention in the input type.
     flash_attention = _register("sdpa-flash", SDPBackend.FLASH_ATTENTION, devices=("cpu",), dtypes=DTYPES,
                                 equal_head_dims=True, known_issues=[CPU_FLASH_CAUSAL_NONPOSITIVE_SCALE],
-                                precision="naive",
-                                gqa=runs(SDPBackend.FLASH_ATTENTION, gqa=True), masks=True)
+                                precision="naive", gqa=runs(SDPBackend.FLASH_ATTENTION, gqa=True), masks=True,
+                                # it takes no attn_mask that requires grad ("No available kernel")
+                                bias=takes_mask(SDPBackend.FLASH_ATTENTION, grad=True))
 if not _CUDA:
     UNAVAILABLE.update({n: "a CUDA backend; this machine has no CUDA" for n in ("sdpa-efficient", "sdpa-cudnn")})
