@@ -1,6 +1,7 @@
 """torch's FlexAttention (torch.nn.attention.flex_attention) as an independent implementation of the
-feature matrix: causal masks, the sliding window and mask tensors as a ``mask_mod`` (a block mask), the softcap
-and the ALiBi bias as a ``score_mod``, sinks merged in afterwards through the LSE.
+feature matrix: causal masks, the sliding window and mask tensors as a ``mask_mod`` (a block mask), the softcap,
+the ALiBi bias and bias tensors as a ``score_mod``, sinks merged in afterwards through the LSE. "flex-varlen"
+runs a packed batch (flashcheck/contract/packed.py) as one sequence under a document mask.
 
 Eager on CPU (an unfused reference path: it materializes the scores, forward only: torch has no
 CPU backward for FlexAttention), torch.compile'd on CUDA (fused kernels, forward and backward).
@@ -24,12 +25,13 @@ supported yet"), and its first compile takes about a minute on a 2-core machine.
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 
 import torch
 
 from flashcheck.contract import KnownIssue, implementation
-from flashcheck.contract.checks import alignment, check_features, check_inputs, offset
+from flashcheck.contract.checks import alignment, check_features, check_inputs, check_varlen, offset
 
 try:
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -138,7 +140,7 @@ def _mask_mod(sq, sk, align, window, device, attn_mask=None):
     return mask
 
 
-def _score_mod(sq, sk, scale, softcap, slopes, device, dtype):
+def _score_mod(sq, sk, scale, softcap, slopes, device, dtype, bias=None):
     # Every number is a tensor: a Python float passed to a compiled flex_attention (its scale=) is
     # a guard on its value, i.e. one graph per drawn scale, and the suite draws scales freely (on an
     # H200 compiling was 90% of flex's lane time). So flex runs at scale 1 and the scale is applied
@@ -146,16 +148,25 @@ def _score_mod(sq, sk, scale, softcap, slopes, device, dtype):
     # too: under dynamic shapes a captured float is a symbolic input inductor's lowering rejects
     # (torch 2.13: "LoweringException: unbacked_bindings"); the ALiBi distance's offset is one for
     # the reason in _mask_mod.
+    diag = None if slopes is None else torch.tensor(sk - sq, dtype=torch.int32, device=device)
+    alibi = None if slopes is None else (lambda b, h, i, j: slopes[b, h] * (i + diag - j).abs())
+    return _scores(scale, softcap, device, dtype, alibi, bias)
+
+
+def _scores(scale, softcap, device, dtype, alibi=None, bias=None):
+    """The logit path after q k^T: scale, softcap, ``alibi(b, h, i, j)`` subtracted, then the bias
+    tensor (B, Hq, Sq, Sk) added: -inf there hides a key, as a mask does."""
     scale = torch.tensor(scale, dtype=dtype, device=device)
     cap = torch.tensor(softcap, dtype=dtype, device=device) if softcap else None
-    diag = None if slopes is None else torch.tensor(sk - sq, dtype=torch.int32, device=device)
 
     def score(s, b, h, i, j):
         s = s * scale
         if cap is not None:
             s = cap * torch.tanh(s / cap)
-        if slopes is not None:
-            s = s - slopes[b, h] * (i + diag - j).abs()
+        if alibi is not None:
+            s = s - alibi(b, h, i, j)
+        if bias is not None:
+            s = s + bias[b, h, i, j]
         return s
 
     return score
@@ -176,36 +187,28 @@ def _flex(q, k, v, **kw):
         return run(q, k, v, return_lse=True, **kw)
 
 
-def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None,
-              attn_mask=None):
+def _check_tensors(q, k, v, who):
     for label, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{WHO}: {label} must be a torch.Tensor, got {type(x).__name__}")
+            raise TypeError(f"{who}: {label} must be a torch.Tensor, got {type(x).__name__}")
     if not (q.device == k.device == v.device):
-        raise ValueError(f"{WHO}: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+        raise ValueError(f"{who}: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     if q.device.type != ("cuda" if _CUDA else "cpu"):
-        raise ValueError(f"{WHO}: unsupported device {q.device}; supported: {'cuda' if _CUDA else 'cpu'}")
-    b, hq, hkv, sq, sk, d, dv = check_inputs(q, k, v, dtypes=DTYPES, who=WHO)
+        raise ValueError(f"{who}: unsupported device {q.device}; supported: {'cuda' if _CUDA else 'cpu'}")
+
+
+def _compute_dtype(q):
+    return torch.float64 if q.dtype == torch.float64 else torch.float32  # the dtype flex computes scores in
+
+
+def _run(q, k, v, mod, mask, sinks):
+    """FlexAttention at scale 1 (the score_mod scales), GQA through enable_gqa, sinks merged in
+    through the LSE: O' = O exp(LSE - LSE'), LSE' = logaddexp(LSE, sink). (B, H, S, *) in and out."""
     dtype = q.dtype
-    align = alignment(causal)
-    window = check_features(q, who=WHO, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-                            sinks=sinks, attn_mask=attn_mask, sk=sk) or (-1, -1)
-    if attn_mask is not None:  # the block mask then varies by batch entry and head
-        full = attn_mask.expand(b, hq, sq, sk)
-        mask = create_block_mask(_mask_mod(sq, sk, align, window, q.device, full), b, hq, sq, sk, device=q.device)
-    elif align is not None or window != (-1, -1):
-        mask = create_block_mask(_mask_mod(sq, sk, align, window, q.device), None, None, sq, sk,
-                                 device=q.device)
-    else:
-        mask = None
-    cdt = torch.float64 if q.dtype == torch.float64 else torch.float32  # the dtype flex computes scores in
-    slopes = None if alibi_slopes is None else alibi_slopes.to(cdt).expand(b, hq)
-    scale = d ** -0.5 if scale is None else float(scale)
-    mod = _score_mod(sq, sk, scale, float(softcap), slopes, q.device, cdt)
-    if sinks is not None and q.dtype in (torch.float16, torch.bfloat16):
+    if sinks is not None and dtype in (torch.float16, torch.bfloat16):
         # the sink rescales O after flex: from a half-precision O that would round it twice
         q, k, v = (x.float() for x in (q, k, v))
-    o, lse = _flex(q, k, v, score_mod=mod, block_mask=mask, scale=1.0, enable_gqa=hq != hkv)
+    o, lse = _flex(q, k, v, score_mod=mod, block_mask=mask, scale=1.0, enable_gqa=q.shape[1] != k.shape[1])
     if sinks is not None:
         sink = sinks.to(lse.dtype)[None, :, None]
         total = torch.logaddexp(lse, sink)
@@ -214,6 +217,32 @@ def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0
         o = (o * share.unsqueeze(-1)).to(dtype)
         lse = total
     return o, lse
+
+
+def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None,
+              attn_mask=None, attn_bias=None):
+    _check_tensors(q, k, v, WHO)
+    b, hq, hkv, sq, sk, d, dv = check_inputs(q, k, v, dtypes=DTYPES, who=WHO)
+    align = alignment(causal)
+    window = check_features(q, who=WHO, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                            sinks=sinks, attn_mask=attn_mask, sk=sk, attn_bias=attn_bias) or (-1, -1)
+    if attn_mask is not None:  # the block mask then varies by batch entry and head
+        full = attn_mask.expand(b, hq, sq, sk)
+        mask = create_block_mask(_mask_mod(sq, sk, align, window, q.device, full), b, hq, sq, sk, device=q.device)
+    elif align is not None or window != (-1, -1):
+        mask = create_block_mask(_mask_mod(sq, sk, align, window, q.device), None, None, sq, sk,
+                                 device=q.device)
+    else:
+        mask = None
+    cdt = _compute_dtype(q)
+    slopes = None if alibi_slopes is None else alibi_slopes.to(cdt).expand(b, hq)
+    # The bias joins the score_mod as a captured tensor, broadcast dims expanded with stride 0. Compiled
+    # (CUDA), flex differentiates a captured tensor that requires grad (torch >= 2.5), and autograd sums
+    # expand's broadcast dims back (attn_bias.grad: test_gradients_match_analytic_float64_with_features;
+    # a short gpu-profile run of it passed on an H200, torch 2.11).
+    bias = None if attn_bias is None else attn_bias.to(cdt).expand(b, hq, sq, sk)
+    scale = d ** -0.5 if scale is None else float(scale)
+    return _run(q, k, v, _score_mod(sq, sk, scale, float(softcap), slopes, q.device, cdt, bias), mask, sinks)
 
 
 # Eager FlexAttention costs ~0.1 s a call on CPU: its full property run is opt-in there ("slow",
@@ -239,9 +268,129 @@ GQA_NO_VALID_CHOICES = KnownIssue(
     failure=r"NoValidChoicesError|No choices")
 
 
+# Found on CPU (torch 2.13, eager) when bias tensors were added, triaged in float64 torch: flex keeps its
+# LSE in log2 units (the eager path returns logsumexp / ln 2 and the top level multiplies by ln 2 again),
+# so a float32 LSE below -finfo(float32).max * ln 2 = -2.36e38 overflows to -inf. A bias of float32's or
+# bfloat16's finfo.min (-3.4e38) on every key a row sees gives that row LSE = -inf where the truth is
+# -3.4e38 (its O, the plain mean, is right; float16's finfo.min and float64 inputs are far from it).
+# The compiled kernel works in log2 units too: the witness reproduces on an H200 (torch 2.11) as well.
+LOG2_LSE_OVERFLOW = -torch.finfo(torch.float32).max * math.log(2)
+
+
+def _row_below_log2_range(c):
+    """A row that sees some key, all of them biased below LOG2_LSE_OVERFLOW (float32 logits)."""
+    if c.bias is None or c.bias[0] != "min" or c.dtype not in ("float32", "bfloat16"):
+        return False
+    vis = c.visible()
+    low = c.bias_argument() < LOG2_LSE_OVERFLOW
+    return bool(((low | ~vis).all(axis=-1) & vis.any(axis=-1)).any())
+
+
+LSE_LOG2_OVERFLOW = KnownIssue(
+    "FlexAttention keeps the LSE in log2 units: a float32 row whose logits all lie below -2.36e38 (a bias of "
+    "finfo.min) gets LSE = -inf",
+    applies=_row_below_log2_range,
+    witness=dict(sq=3, sk=5, d=16, dv=16, dtype="bfloat16", bias=("min", True, False, 1.0, 3)),
+    failure=r"lse: non-finite mismatch .*got np\.float64\(-inf\)")
+
+
 implementation(name=WHO, causal=("bottom_right", "top_left"), dtypes=DTYPES, devices=("cuda",) if _CUDA else ("cpu",),
                backward=_CUDA, gqa=True, lse=True, window=True, softcap=True, alibi=True, sinks=not _CUDA, mask=True,
-               known_issues=(GQA_NO_VALID_CHOICES,) if _CUDA else (),
+               bias=True, known_issues=(GQA_NO_VALID_CHOICES, LSE_LOG2_OVERFLOW) if _CUDA else (LSE_LOG2_OVERFLOW,),
                # compiled on an H200 (torch 2.11), float32 at D = 160 needs more shared memory than
                # the SM has ("No valid triton configs"): 128 is the largest size every dtype compiles
                head_dims=(16, 128) if _CUDA else (1, 256), tags=() if _CUDA else ("slow",))(attention)
+
+
+VARLEN = "flex-varlen"
+
+
+def _packed_rows(cu_q, cu_k, align, window, device):
+    """A packed batch as one sequence of Tq queries against Tk keys. Per query token (Tq,): its
+    sequence, the packed index of its bottom-right diagonal key (key i + Sk_b - Sq_b of its own
+    sequence), the keys it may see as one band lo..hi (inclusive) of packed key indices (its
+    sequence's keys, cut by the causal mask and the window), and whether its sequence has no keys.
+    An empty row gets lo > hi: flex gives it O = 0 and LSE = -inf, as any row its mask empties."""
+    lengths = torch.tensor([b - a for a, b in zip(cu_q, cu_q[1:])])
+    seq = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    i = torch.arange(len(seq))
+    first, end = torch.tensor(cu_k[:-1])[seq], torch.tensor(cu_k[1:])[seq]
+    diag = i + end - torch.tensor(cu_q[1:])[seq]
+    lo, hi = first, end - 1
+    if align == "bottom_right":
+        hi = torch.minimum(hi, diag)
+    elif align == "top_left":  # key i - (the sequence's first query) of the sequence's keys
+        hi = torch.minimum(hi, i - torch.tensor(cu_q[:-1])[seq] + first)
+    left, right = window
+    if left >= 0:
+        lo = torch.maximum(lo, diag - left)
+    if right >= 0:
+        hi = torch.minimum(hi, diag + right)
+    diag, lo, hi = (x.to(device=device, dtype=torch.int32) for x in (diag, lo, hi))
+    return seq.to(device), diag, lo, hi, (first == end).to(device)
+
+
+def _packed_slopes(slopes, n, hq, q):
+    """alibi_slopes (Hq,) or one row per sequence (n, Hq), float32 on q's device, or None."""
+    if slopes is None:
+        return None
+    if not isinstance(slopes, torch.Tensor) or slopes.dtype != torch.float32:
+        got = getattr(slopes, "dtype", type(slopes).__name__)
+        raise TypeError(f"{VARLEN}: alibi_slopes must be a float32 tensor, got {got}")
+    if tuple(slopes.shape) not in ((hq,), (n, hq)):
+        raise ValueError(f"{VARLEN}: alibi_slopes must have shape ({hq},) or ({n}, {hq}) (one row per sequence), "
+                         f"got {tuple(slopes.shape)}")
+    if slopes.device != q.device:
+        raise ValueError(f"{VARLEN}: alibi_slopes is on {slopes.device}, q on {q.device}")
+    return slopes.expand(n, hq)
+
+
+def varlen_attention(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False, scale=None,
+                     window=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None):
+    """FlexAttention over a packed batch: q (Tq, Hq, D), k (Tk, Hkv, D), v (Tk, Hkv, Dv) -> o (Tq, Hq, Dv),
+    lse (Hq, Tq). The batch is one sequence (B = 1) under a document mask built from cu_seqlens; the
+    causal mask, the window and ALiBi's distances are each sequence's own. A query row of a sequence
+    without keys gives O = 0 and LSE = -inf (with sinks too)."""
+    _check_tensors(q, k, v, VARLEN)
+    cu_q, cu_k = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dtypes=DTYPES,
+                              who=VARLEN)
+    n, hq, d = len(cu_q) - 1, q.shape[1], q.shape[2]
+    q1, k1, v1 = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # (1, H, T, D)
+    window = check_features(q1, who=VARLEN, window=window, softcap=softcap, sinks=sinks) or (-1, -1)
+    slopes = _packed_slopes(alibi_slopes, n, hq, q)
+    seq, diag, lo, hi, keyless = _packed_rows(cu_q, cu_k, alignment(causal), window, q.device)
+
+    def band(b, h, i, j):  # captured tensors, not ints: one compiled graph per (Tq, Tk), whatever the offsets
+        return (j >= lo[i]) & (j <= hi[i])
+
+    mask = create_block_mask(band, None, None, q.shape[0], k.shape[0], device=q.device)
+    cdt = _compute_dtype(q)
+    alibi = None
+    if slopes is not None:
+        per_token = slopes.to(cdt)[seq]  # (Tq, Hq): each query token's sequence's row
+        alibi = lambda b, h, i, j: per_token[i, h] * (diag[i] - j).abs()  # noqa: E731
+    scale = d ** -0.5 if scale is None else float(scale)
+    g = hq // k.shape[1]
+    if q.is_cuda and g > 1 and q.shape[0] < 128 < q.shape[0] * g:
+        # GQA_NO_VALID_CHOICES (above) hits every packed batch of Tq such tokens, whatever its sequences
+        # (the issue's own per-case predicate cannot see Tq); without GQA it compiles, so the kv heads
+        # are repeated there (exact: their gradients sum back through repeat_interleave)
+        k1, v1 = (x.repeat_interleave(g, dim=1) for x in (k1, v1))
+    o, lse = _run(q1, k1, v1, _scores(scale, float(softcap), q.device, cdt, alibi), mask, sinks)
+    if sinks is not None:  # a sequence without keys has no softmax for its sink to join (the contract's -inf)
+        lse = lse.masked_fill(keyless, float("-inf"))
+    return o[0].transpose(0, 1), lse[0]
+
+
+# Its dense properties repeat flex's (each dense case is B equal sequences), so on CPU, where eager
+# flex costs ~0.1 s a call, its run is opt-in like flex's; tests/test_flex.py pins packed batches.
+# Sinks as flex's: merged through the LSE, declared only where no backward differentiates it.
+# What a document mask cannot do: keep another sequence's NaN or inf values out of a sequence. A
+# hidden key gets probability 0, and 0 * NaN = NaN in P V (eager flex multiplies the whole P by V,
+# a fused kernel every key block two sequences share): isolates_nan=False, so the NaN property
+# poisons the other sequences with large finite values; tests/test_flex.py pins the NaN leak.
+implementation(name=VARLEN, causal=("bottom_right", "top_left"), dtypes=DTYPES,
+               devices=("cuda",) if _CUDA else ("cpu",), backward=_CUDA, gqa=True, lse=True, varlen=True,
+               isolates_nan=False,
+               window=True, softcap=True, alibi=True, sinks=not _CUDA, head_dims=(16, 128) if _CUDA else (1, 256),
+               tags=() if _CUDA else ("slow",))(varlen_attention)

@@ -38,7 +38,7 @@ SLOW_KILLS = {spec for spec, _ in PRECISION}
 # The mutants' own correct build is the false-alarm check CI runs; the built-ins pass the
 # main suite already, so repeating them here through the harness is opt-in (slow).
 CORRECT = ["mutants/tiled.py:correct", "mutants/features.py:correct", "mutants/fixed_tiles.py:correct",
-           "mutants/varlen.py:correct", "mutants/kvcache.py:correct", "mutants/strides.py:correct",
+           "mutants/varlen.py:correct", "mutants/varlen.py:document_correct", "mutants/kvcache.py:correct", "mutants/strides.py:correct",
            "mutants/masks.py:correct", *(["mutants/launch.py:correct"] if call.cuda_available() else []),
            pytest.param("mutants/precision.py:correct", id="precision-correct"),
            pytest.param("flashcheck.impls.numpy_ref:tiled_forward", marks=pytest.mark.slow),

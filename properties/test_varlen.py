@@ -82,12 +82,16 @@ def test_nan_in_every_other_sequence_never_reaches_a_sequence(impl, p, pick):
     qs, ks = p.spans()[b]
     note(f"kept sequence {b}: query tokens {qs.start}..{qs.stop}, key tokens {ks.start}..{ks.stop}")
     q, k, v, _ = p.inputs()
+    # isolates_nan=False (a document mask: hidden keys still enter the products, times 0): values of 64
+    # instead, 20-60x the sequence's own, which a probability that is not exactly 0 carries into it; small
+    # enough that dO . v stays finite in float16 (64 * D * |dO| < 65504), where a kernel may round dP
+    poison = np.nan if impl.isolates_nan else 64.0
     for x, keep in ((q, qs), (k, ks), (v, ks)):
         others = np.ones(x.shape[0], bool)
         others[keep] = False
-        x[others] = np.nan
+        x[others] = poison
     res = run(impl, p, q, k, v)
-    check_sequence(impl, p, b, res, "every other sequence NaN")
+    check_sequence(impl, p, b, res, "every other sequence NaN" if impl.isolates_nan else "every other sequence 64")
 
 
 @given(p=fv.packed_batches())

@@ -82,3 +82,13 @@ def test_the_varlen_example_agrees_with_each_sequence_s_truth():
         orc.compare(c, "o", packed.unpack(res.o[qs], 1, c.sq), who=f"{impl.name} sequence {b}")
         orc.compare(c, "dk", packed.unpack(res.dk[ks], 1, c.sk), who=f"{impl.name} sequence {b}")
     assert not res.o[p.spans()[3][0]].any(), "expected O = 0 for a sequence without keys"
+
+
+def test_isolates_nan_false_goes_with_varlen():
+    from flashcheck.contract import ContractError, implementation
+
+    with pytest.raises(ContractError, match="goes with varlen=True"):
+        implementation(name="bad-isolation", register=False, isolates_nan=False)(lambda q, k, v, **_: q)
+    ok = implementation(name="document-mask", register=False, varlen=True, isolates_nan=False)(lambda q, k, v, **_: q)
+    got = ok.__flashcheck__.isolates_nan
+    assert got is False, f"expected the declaration kept, got isolates_nan={got!r}"

@@ -88,6 +88,11 @@ class Implementation:
     # where it takes pointers and row strides off 16-byte alignment
     # Layouts (docs/features.md): a kernel that declares one is called only in it.
     varlen: bool = False  # packed sequences: f(q (Tq, Hq, D), k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ...)
+    # with varlen: another sequence's NaN never reaches a sequence. False declares a kernel that gives a
+    # hidden key probability 0 and still multiplies it in (a document mask over tiles that two sequences
+    # share: 0 * NaN = NaN); the other sequences are then poisoned with large finite values instead,
+    # which must still never reach a sequence
+    isolates_nan: bool = True
     kvcache: bool = False  # decoding against a cache: f(q, k_cache, v_cache, *, cache_seqlens, ...), forward only
     kv_append: bool = False  # with kvcache: takes k_new=, v_new=, written into the cache in place
     paged: bool = False  # with kvcache: k_cache (num_blocks, Hkv, page_size, D) and block_table=
@@ -239,8 +244,11 @@ def _validate(i: Implementation) -> None:
             raise ContractError(f"implementation {name!r}: {tensor}=True is a dense-layout feature: attn_{tensor} is "
                                 "(B or 1, Hq or 1, Sq, Sk); declare it on the dense kernel, not with varlen or kvcache")
     for flag in ("causal_only", "scale_arg", "deterministic", "cuda_graphs", "compile", "varlen", "kvcache",
-                 "kv_append", "paged", "splits"):
+                 "kv_append", "paged", "splits", "isolates_nan"):
         put(flag, bool(getattr(i, flag)))
+    if not i.isolates_nan and not i.varlen:
+        raise ContractError(f"implementation {i.name!r}: isolates_nan=False speaks of other sequences of a packed "
+                            "batch: it goes with varlen=True")
 
 
 def _validate_cache(i: Implementation, put) -> None:
