@@ -215,8 +215,8 @@ def _run(q, k, v, mod, mask, sinks):
         # the keys' share of the softmax, 1 / (1 + exp(sink - LSE)): as a sigmoid, an error of the LSE
         # moves it by share (1 - share) times that error, where exp(LSE - total) would cancel two large
         # logits and carry |LSE| eps into O (float64, LSE ~ 100: 1.1x the oracle's bound); 0 on a row
-        # that sees nothing (sigmoid(-inf))
-        share = torch.sigmoid(lse - sink)
+        # that sees nothing (and never -inf - -inf = NaN with a sink of -inf)
+        share = torch.where(lse == float("-inf"), 0.0, torch.sigmoid(lse - sink))
         o = (o * share.unsqueeze(-1)).to(dtype)
         lse = total
     return o, lse
