@@ -201,25 +201,30 @@ def _compute_dtype(q):
     return torch.float64 if q.dtype == torch.float64 else torch.float32  # the dtype flex computes scores in
 
 
-def _run(q, k, v, mod, mask, sinks):
-    """FlexAttention at scale 1 (the score_mod scales), GQA through enable_gqa, sinks merged in
-    through the LSE: O' = O exp(LSE - LSE'), LSE' = logaddexp(LSE, sink). (B, H, S, *) in and out."""
-    dtype = q.dtype
-    if sinks is not None and dtype in (torch.float16, torch.bfloat16):
-        # the sink rescales O after flex: from a half-precision O that would round it twice
-        q, k, v = (x.float() for x in (q, k, v))
-    o, lse = _flex(q, k, v, score_mod=mod, block_mask=mask, scale=1.0, enable_gqa=q.shape[1] != k.shape[1])
+def _run(q, k, v, mod, mask_mod, mask_bh, sinks):
+    """FlexAttention at scale 1 (the score_mod scales), GQA through enable_gqa, ``mask_mod`` (or None) as
+    a block mask over (B, H) = ``mask_bh``. (B, H, S, *) in and out.
+
+    Sinks are one more key, after the last: its score is the sink's logit and its value 0, so flex's own
+    softmax takes it in, as a fused kernel's does. (Merging it afterwards through the returned LSE carries
+    that LSE's rounding into O: 1.1x the oracle's bound in float64 where the sink dominates a row.) A row
+    that sees no key then sees the sink alone: O = 0, LSE = the sink."""
     if sinks is not None:
-        sink = sinks.to(lse.dtype)[None, :, None]
-        total = torch.logaddexp(lse, sink)
-        # the keys' share of the softmax, 1 / (1 + exp(sink - LSE)): as a sigmoid, an error of the LSE
-        # moves it by share (1 - share) times that error, where exp(LSE - total) would cancel two large
-        # logits and carry |LSE| eps into O (float64, LSE ~ 100: 1.1x the oracle's bound); 0 on a row
-        # that sees nothing (and never -inf - -inf = NaN with a sink of -inf)
-        share = torch.where(lse == float("-inf"), 0.0, torch.sigmoid(lse - sink))
-        o = (o * share.unsqueeze(-1)).to(dtype)
-        lse = total
-    return o, lse
+        sk = k.shape[2]
+        k, v = (torch.cat([x, x.new_zeros(*x.shape[:2], 1, x.shape[3])], 2) for x in (k, v))
+        last, logit = torch.tensor(sk, device=q.device), sinks.to(_compute_dtype(q))
+        key_mod, key_mask = mod, mask_mod
+
+        def mod(s, b, h, i, j):  # the real keys' indices clamped: a mod may index tensors by j
+            return torch.where(j == last, logit[h], key_mod(s, b, h, i, torch.minimum(j, last - 1)))
+
+        if key_mask is not None:
+            def mask_mod(b, h, i, j):
+                return (j == last) | key_mask(b, h, i, torch.minimum(j, last - 1))
+
+    mask = None if mask_mod is None else create_block_mask(mask_mod, *mask_bh, q.shape[2], k.shape[2],
+                                                           device=q.device)
+    return _flex(q, k, v, score_mod=mod, block_mask=mask, scale=1.0, enable_gqa=q.shape[1] != k.shape[1])
 
 
 def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None,
@@ -230,13 +235,11 @@ def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0
     window = check_features(q, who=WHO, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
                             sinks=sinks, attn_mask=attn_mask, sk=sk, attn_bias=attn_bias) or (-1, -1)
     if attn_mask is not None:  # the block mask then varies by batch entry and head
-        full = attn_mask.expand(b, hq, sq, sk)
-        mask = create_block_mask(_mask_mod(sq, sk, align, window, q.device, full), b, hq, sq, sk, device=q.device)
+        mask, mask_bh = _mask_mod(sq, sk, align, window, q.device, attn_mask.expand(b, hq, sq, sk)), (b, hq)
     elif align is not None or window != (-1, -1):
-        mask = create_block_mask(_mask_mod(sq, sk, align, window, q.device), None, None, sq, sk,
-                                 device=q.device)
+        mask, mask_bh = _mask_mod(sq, sk, align, window, q.device), (None, None)
     else:
-        mask = None
+        mask, mask_bh = None, None
     cdt = _compute_dtype(q)
     slopes = None if alibi_slopes is None else alibi_slopes.to(cdt).expand(b, hq)
     # The bias joins the score_mod as a captured tensor, broadcast dims expanded with stride 0. Compiled
@@ -245,7 +248,7 @@ def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0
     # a short gpu-profile run of it passed on an H200, torch 2.11).
     bias = None if attn_bias is None else attn_bias.to(cdt).expand(b, hq, sq, sk)
     scale = d ** -0.5 if scale is None else float(scale)
-    return _run(q, k, v, _score_mod(sq, sk, scale, float(softcap), slopes, q.device, cdt, bias), mask, sinks)
+    return _run(q, k, v, _score_mod(sq, sk, scale, float(softcap), slopes, q.device, cdt, bias), mask, mask_bh, sinks)
 
 
 # Eager FlexAttention costs ~0.1 s a call on CPU: its full property run is opt-in there ("slow",
@@ -366,7 +369,6 @@ def varlen_attention(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     def band(b, h, i, j):  # captured tensors, not ints: one compiled graph per (Tq, Tk), whatever the offsets
         return (j >= lo[i]) & (j <= hi[i])
 
-    mask = create_block_mask(band, None, None, q.shape[0], k.shape[0], device=q.device)
     cdt = _compute_dtype(q)
     alibi = None
     if slopes is not None:
@@ -379,7 +381,7 @@ def varlen_attention(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
         # (the issue's own per-case predicate cannot see Tq); without GQA it compiles, so the kv heads
         # are repeated there (exact: their gradients sum back through repeat_interleave)
         k1, v1 = (x.repeat_interleave(g, dim=1) for x in (k1, v1))
-    o, lse = _run(q1, k1, v1, _scores(scale, float(softcap), q.device, cdt, alibi), mask, sinks)
+    o, lse = _run(q1, k1, v1, _scores(scale, float(softcap), q.device, cdt, alibi), band, (None, None), sinks)
     if sinks is not None:  # a sequence without keys has no softmax for its sink to join (the contract's -inf)
         lse = lse.masked_fill(keyless, float("-inf"))
     return o[0].transpose(0, 1), lse[0]
