@@ -57,5 +57,5 @@ def test_gradients_agree_with_central_differences_of_the_forward(impl, case):
     # The gradient itself may carry the rounding the oracle allows; along u that adds up to sum |u| * allowed.
     rng = np.random.default_rng(case.seed + 1)
     dirs = [rng.standard_normal(s) for s in (res.dq.shape, res.dk.shape, res.dv.shape)]
-    slack = [float((np.abs(u) * orc.allowed(case, n)[0]).sum()) for u, n in zip(dirs, ("dq", "dk", "dv"))]
+    slack = [float((np.abs(u) * orc.allowed(case, n)).sum()) for u, n in zip(dirs, ("dq", "dk", "dv"))]
     ph.assert_agree(impl.name, case, checks, slack)

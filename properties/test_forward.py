@@ -80,7 +80,7 @@ def test_output_lies_within_the_visible_values(impl, case):
     hi = np.where(vis, vv, -np.inf).max(axis=3)
     seen = case.visible().any(axis=1)[None, None, :, None]
     lo, hi = np.where(seen, lo, 0), np.where(seen, hi, 0)
-    slack = np.broadcast_to(orc.allowed(case, "o")[0], res.o.shape)  # per entry: an array, or one number
+    slack = np.broadcast_to(orc.allowed(case, "o"), res.o.shape)  # per entry: an array, or one number
     with np.errstate(invalid="ignore"):  # NaN output: outside every range, and named below
         outside = np.nan_to_num(np.maximum(lo - res.o, res.o - hi) - slack, nan=np.inf)
     idx = tuple(int(i) for i in np.unravel_index(np.argmax(outside), outside.shape))
