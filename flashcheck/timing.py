@@ -15,7 +15,8 @@ Registered by the pytest plugin (flashcheck/plugin.py). Per test it measures:
 The table prints in the gpu profile, or wherever FLASHCHECK_TIMING=1 (FLASHCHECK_TIMING=0
 silences it). FLASHCHECK_TIMING_LOG=PATH also appends one JSON line per finished example and
 per finished test, from every xdist worker, so that a run stopped by a timeout still tells how
-far it got (bench/gpu_lane_speed.py reads it).
+far it got and why a test failed (a failed test's line carries its message's "E " lines;
+bench/gpu_lane_speed.py reads it).
 """
 from __future__ import annotations
 
@@ -170,7 +171,9 @@ class Timing:
         row = dict(test=report.nodeid, wall=report.duration, outcome=report.outcome, **numbers)
         self.rows.append(row)
         if not hasattr(self.config, "workerinput"):  # the controller (or a run without xdist) writes it once
-            self._write(dict(kind="test", at=time.time(), **row))
+            # a failure's message goes with it: a run stopped at a time limit writes no report at its end
+            why = {"failure": _head(report.longreprtext)} if report.failed else {}
+            self._write(dict(kind="test", at=time.time(), **row, **why))
 
     def pytest_terminal_summary(self, terminalreporter):
         if self.show and self.rows:
@@ -181,6 +184,13 @@ class Timing:
                 lines.insert(2, "  " + buckets.describe())
             for line in lines:
                 terminalreporter.write_line(line)
+
+
+def _head(text: str, lines: int = 40) -> str:
+    """The part of a failure's text that says what failed: flashcheck's own lines (the property, the
+    case, the worst entry), found from the end of pytest's long report, where its AssertionError is."""
+    kept = [line for line in text.splitlines() if line.startswith("E ")] or text.splitlines()
+    return "\n".join(kept[-lines:])
 
 
 def _impl_name(item) -> str:

@@ -34,14 +34,22 @@ def test_examples_are_counted_per_test_and_logged(tmp_path, monkeypatch):
     prop()
     with pytest.raises(StopIteration):
         call.send(None)
-    report = types.SimpleNamespace(when="call", nodeid=item.nodeid, duration=2.0, outcome="passed",
+    report = types.SimpleNamespace(when="call", nodeid=item.nodeid, duration=2.0, outcome="passed", failed=False,
                                    user_properties=item.user_properties)
     plugin.pytest_runtest_logreport(report)
+    text = "    def test(...):\n>       orc.compare(...)\nE   my-kernel o: 1 of 4 entries off by more than allowed\nE     case: c"
+    plugin.pytest_runtest_logreport(types.SimpleNamespace(**{**vars(report), "nodeid": "t.py::other", "failed": True,
+                                                           "outcome": "failed", "longreprtext": text}))
+    failed = json.loads(log.read_text().splitlines()[-1])
+    assert failed.get("failure") == "E   my-kernel o: 1 of 4 entries off by more than allowed\nE     case: c", \
+        f"expected the failure's E lines in its record, got {failed}"
+    log.write_text("\n".join(log.read_text().splitlines()[:-1]) + "\n")
     records = [json.loads(line) for line in log.read_text().splitlines()]
     examples = [r for r in records if r["kind"] == "example"]
     (test,) = [r for r in records if r["kind"] == "test"]
     assert test["examples"] == len(examples) == 20, f"expected 20 examples that ran, logged {examples}, got {test}"
     assert test["impl"] == "my-kernel" and test["wall"] == 2.0 and test["jit"] is None, test
+    assert "failure" not in test, f"a passed test's record carries no failure, got {test}"
     row = next(line for line in timing.table(plugin.rows) if line.endswith(item.nodeid))
     assert row.split()[:7] == ["2.0", "-", "0", "-", "-", "20", "10.00"], f"expected 2.0 s and 20 examples, got {row!r}"
     assert prop.hypothesis.inner_test is original, "expected the test's own inner_test back after the call"
