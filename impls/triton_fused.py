@@ -212,15 +212,15 @@ def _is_int(x):
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
-def _float32_vector(x, label, shapes, q):
+def _float32_vector(x, label, shapes, q, who=WHO):
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{WHO}: {label} must be a torch tensor, got {type(x).__name__}")
+        raise TypeError(f"{who}: {label} must be a torch tensor, got {type(x).__name__}")
     if x.dtype != torch.float32:
-        raise TypeError(f"{WHO}: {label} must be float32, got {dtype_name(x)}")
+        raise TypeError(f"{who}: {label} must be float32, got {dtype_name(x)}")
     if tuple(x.shape) not in shapes:
-        raise ValueError(f"{WHO}: {label} must have shape {' or '.join(map(str, shapes))}, got {tuple(x.shape)}")
+        raise ValueError(f"{who}: {label} must have shape {' or '.join(map(str, shapes))}, got {tuple(x.shape)}")
     if x.device != q.device:
-        raise ValueError(f"{WHO}: {label} is on {x.device} but q is on {q.device}")
+        raise ValueError(f"{who}: {label} is on {x.device} but q is on {q.device}")
     return x.contiguous()
 
 

@@ -33,15 +33,7 @@ BIG = 1 << 30  # an edge that hides nothing: BIG + any sequence's Sk - Sq stays 
 
 
 def _vector(x, label, shapes, q):
-    if x is None:
-        return None
-    if not isinstance(x, torch.Tensor) or x.dtype != torch.float32:
-        raise TypeError(f"{WHO}: {label} must be a float32 tensor, got {getattr(x, 'dtype', type(x).__name__)}")
-    if tuple(x.shape) not in shapes:
-        raise ValueError(f"{WHO}: {label} must have shape {' or '.join(map(str, shapes))}, got {tuple(x.shape)}")
-    if x.device != q.device:
-        raise ValueError(f"{WHO}: {label} is on {x.device} but q is on {q.device}")
-    return x.contiguous()
+    return None if x is None else tf._float32_vector(x, label, shapes, q, WHO)
 
 
 def _features(q, n, longest_q, longest_k, align, window, softcap, alibi_slopes, sinks):
