@@ -2,6 +2,7 @@
 
     flashcheck check my_attn.py:attention [--profile NAME] [--gpu] [--allow-skip] [-- PYTEST ARGS]
     flashcheck replay reproducers/<name> [--impl SPEC]
+    flashcheck sanitize reproducers/<name> [--impl SPEC] [--tool memcheck|racecheck]
 
 ``check`` is ``pytest -m properties --impl SPEC`` run from the current directory through the
 plugin: the same tests, the same reports, the same reproducers. ``--gpu`` runs the gpu
@@ -48,9 +49,21 @@ def main(argv=None) -> int:
                                         "or another (--impl). Exit 1 while it still fails.")
     replay.add_argument("folder", help="the reproducer folder (reproducers/<name>)")
     replay.add_argument("--impl", help="FILE.py:function, module:function or a built-in name")
+    sanitize = sub.add_parser("sanitize", help="replay a reproducer under compute-sanitizer (CUDA)",
+                              description="Replay a reproducer folder under compute-sanitizer's memcheck and "
+                                          "racecheck and report each tool's first error. Exit 1 on an error.")
+    sanitize.add_argument("folder", help="the reproducer folder (reproducers/<name>)")
+    sanitize.add_argument("--impl", help="FILE.py:function, module:function or a built-in name")
+    sanitize.add_argument("--tool", action="append", choices=("memcheck", "racecheck"),
+                          help="one tool (repeatable; default: both)")
     args = parser.parse_args(argv)
     if args.command == "check":
         return _check(args, extra)
+    if args.command == "sanitize":
+        from flashcheck import sanitize as sz
+
+        return sz.main([args.folder] + (["--impl", args.impl] if args.impl else [])
+                       + [f"--tool={t}" for t in args.tool or ()])
     from flashcheck import repro
 
     return repro.main([args.folder] + (["--impl", args.impl] if args.impl else []))
