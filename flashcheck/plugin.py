@@ -289,6 +289,8 @@ class _KernelProperties(pytest.Module):
 @pytest.hookimpl(tryfirst=True)  # before -m selects, so that -m selftest sees the marker
 def pytest_collection_modifyitems(config, items):
     state = _state(config)
+    if os.environ.get(timing.ORDER_ENV):  # an earlier run's timing log: the longest tests first
+        timing.longest_first(items, os.environ[timing.ORDER_ENV])  # (stable: the sorts below keep it)
     if state is None:
         return
     from flashcheck.contract.call import cuda_available

@@ -16,7 +16,8 @@ The table prints in the gpu profile, or wherever FLASHCHECK_TIMING=1 (FLASHCHECK
 silences it). FLASHCHECK_TIMING_LOG=PATH also appends one JSON line per finished example and
 per finished test, from every xdist worker, so that a run stopped by a timeout still tells how
 far it got and why a test failed (a failed test's line carries its message's "E " lines;
-bench/gpu_lane_speed.py reads it).
+bench/gpu_lane_speed.py reads it). FLASHCHECK_ORDER_BY=PATH runs the tests longest first by the wall
+times such a log recorded (``longest_first``).
 """
 from __future__ import annotations
 
@@ -234,6 +235,31 @@ def table(rows: list[dict], shown: int = SHOWN) -> list[str]:
 
 def _rate(examples, wall) -> str:
     return "-" if not examples or wall <= 0 else f"{examples / wall:.2f}"
+
+
+ORDER_ENV = "FLASHCHECK_ORDER_BY"
+
+
+def longest_first(items: list, path: str) -> None:
+    """Sort ``items`` in place by the wall time each test took in an earlier run's log (a
+    FLASHCHECK_TIMING_LOG), longest first; tests the log does not know (new ones) go first of all.
+    Over xdist's workers a run's end waits for the slowest test started last: started first, it
+    runs beside the many short ones instead. The sort is stable, and input-validation properties
+    stay after the numeric ones."""
+    try:
+        lines = open(path).read().splitlines()
+    except OSError as exc:
+        raise pytest.UsageError(f"{ORDER_ENV}={path!r}: cannot read that timing log ({exc})") from None
+    wall = {}
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # a line cut off when that run was stopped
+        if isinstance(record, dict) and record.get("kind") == "test":
+            wall[record["test"]] = float(record["wall"])
+    items.sort(key=lambda it: (it.get_closest_marker("input_validation") is not None,
+                               -wall.get(it.nodeid, float("inf"))))
 
 
 def register(config, profile: str):

@@ -112,3 +112,36 @@ def test_an_xdist_worker_takes_its_share_of_the_cores_unless_threads_were_set(mo
         torch.set_num_threads(before)
     want = 16 // int(workers) if expected == "share" else before
     assert got == want, f"expected {want} torch threads ({expected}) for {workers} workers, got {got}"
+
+
+def test_an_earlier_runs_log_orders_the_tests_longest_first(tmp_path):
+    """Unknown tests first, then by the logged wall time; input validation stays last; cut-off lines skipped."""
+    log = tmp_path / "last-night.jsonl"
+    rows = [dict(kind="test", test="t::short", wall=1.0), dict(kind="example", test="t::long"),
+            dict(kind="test", test="t::long", wall=90.0), dict(kind="test", test="t::refusal", wall=500.0)]
+    log.write_text("\n".join(json.dumps(r) for r in rows) + '\n{"kind": "test", "te')
+
+    def item(nodeid, validation=False):
+        return types.SimpleNamespace(nodeid=nodeid, get_closest_marker=lambda name: validation or None)
+
+    items = [item("t::short"), item("t::refusal", True), item("t::long"), item("t::new")]
+    timing.longest_first(items, str(log))
+    assert [it.nodeid for it in items] == ["t::new", "t::long", "t::short", "t::refusal"], [it.nodeid for it in items]
+    with pytest.raises(pytest.UsageError, match="cannot read that timing log"):
+        timing.longest_first(items, str(tmp_path / "missing.jsonl"))
+
+
+def test_a_run_given_a_log_runs_its_longest_test_first(tmp_path):
+    """The plugin applies it to a real collection (FLASHCHECK_ORDER_BY), in a pytest of its own."""
+    import os
+    import subprocess
+
+    log = tmp_path / "log.jsonl"
+    log.write_text("\n".join(json.dumps(dict(kind="test", test=f"test_order.py::test_{n}", wall=w))
+                             for n, w in (("a", 1.0), ("b", 30.0), ("c", 5.0))))
+    (tmp_path / "test_order.py").write_text("def test_a(): pass\ndef test_b(): pass\ndef test_c(): pass\n")
+    env = {k: v for k, v in os.environ.items() if k != "FLASHCHECK_IMPL"} | {timing.ORDER_ENV: str(log)}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "test_order.py"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    ran = [line.split("::")[1].split()[0] for line in run.stdout.splitlines() if line.startswith("test_order.py::")]
+    assert ran == ["test_b", "test_c", "test_a"], f"expected the longest first, ran {ran}\n{run.stdout[-2000:]}"
