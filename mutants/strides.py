@@ -18,6 +18,8 @@ from flashcheck.contract.checks import check_inputs
 BUGS = {
     "assumes_contiguous_strides": "reads q, k, v from their storage with contiguous (B, H, S, D) strides",
     "ignores_storage_offset": "reads q, k, v from the start of their storage, not their first element",
+    # memory the kernel allocates itself: torch.empty is often zeros on a fresh page, the right O by luck
+    "leaves_unseen_rows_unwritten": "returns O in a torch.empty buffer whose rows that see no key it never writes",
 }
 
 
@@ -54,7 +56,10 @@ def _kernel(bug):
         m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # a row that sees nothing: O = 0, not NaN
         p = torch.exp(s - m)
         denom = p.sum(-1, keepdim=True)
-        return p @ v / torch.where(denom == 0, torch.ones_like(denom), denom)
+        o = p @ v / torch.where(denom == 0, torch.ones_like(denom), denom)
+        if bug == "leaves_unseen_rows_unwritten":
+            return torch.where(denom > 0, o, torch.empty(o.shape, dtype=o.dtype))
+        return o
 
     return attention
 

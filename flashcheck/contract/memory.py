@@ -68,3 +68,25 @@ def refused(impl, case, exc: BaseException) -> str:
     return (f"{impl.name} raised {type(exc).__name__}({str(exc).strip()[:200]!r}) on inputs laid out as "
             f"memory={case.memory!r} ({MEMORY[case.memory]}); if it cannot take them, declare "
             f"layouts={others!r} in @implementation(...) and the suite lays its inputs out only those ways")
+
+
+def poisoned(torch):
+    """A context in which torch.empty, empty_like, empty_strided and Tensor.new_empty return
+    floating tensors filled with NaN. Memory a kernel allocates is uninitialized: often zeros on
+    a fresh page, which happen to be the right O of a row that sees no key, so a kernel that never
+    writes such rows (or a tail tile, or its LSE) passes by luck; NaN there fails it. A correct
+    kernel writes every entry it returns. (On CPU: a torch.compile'd kernel on CUDA traces through
+    the mode, which is not yet measured there.)"""
+    from torch.overrides import TorchFunctionMode
+
+    empties = {torch.empty, torch.empty_like, torch.empty_strided, torch.Tensor.new_empty}
+
+    class Poisoned(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in empties and out.is_floating_point():
+                with torch.no_grad():
+                    out.fill_(float("nan"))
+            return out
+
+    return Poisoned()
