@@ -272,3 +272,14 @@ def test_flex_varlen_bad_arguments_raise_naming_them(i):
     change(kw)
     with pytest.raises((TypeError, ValueError), match=word):
         varlen().fn(*args, **kw)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="sinks are declared on CPU only")
+def test_a_sink_that_outweighs_every_key_keeps_o_within_the_float64_bound():
+    """Found by the thorough profile: with the sink merged afterwards through flex's returned LSE, O
+    carried that LSE's rounding, 1.14x the float64 bound; as one more key inside flex's softmax it
+    rounds as a fused kernel does."""
+    impl, case = load("flex"), Case(sq=4, regime="large", sinks=(0.0,))
+    res = ph.forward(impl, case)
+    for name in ("o", "lse"):
+        orc.compare(case, name, getattr(res, name), who="flex (a sink of 0 beside logits near -200)")
