@@ -10,6 +10,8 @@ The gradients a kernel returns are checked by value only: their strides are its 
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 MEMORY = {
@@ -77,6 +79,13 @@ def poisoned(torch):
     writes such rows (or a tail tile, or its LSE) passes by luck; NaN there fails it. A correct
     kernel writes every entry it returns. (On CPU: a torch.compile'd kernel on CUDA traces through
     the mode, which is not yet measured there.)"""
+    return _poisoned_mode(torch)()
+
+
+@functools.lru_cache(maxsize=1)
+def _poisoned_mode(torch):
+    """The mode's class, made once: torch.compile guards on the active mode's type, so a class per
+    call would compile a new graph per call."""
     from torch.overrides import TorchFunctionMode
 
     empties = {torch.empty, torch.empty_like, torch.empty_strided, torch.Tensor.new_empty}
@@ -89,4 +98,4 @@ def poisoned(torch):
                     out.fill_(float("nan"))
             return out
 
-    return Poisoned()
+    return Poisoned
