@@ -15,7 +15,8 @@ MODULES = (
     ("flashcheck.impls.triton_varlen", ["triton-fused-varlen"]),
     ("flashcheck.impls.triton_decode", ["triton-decode"]),
     ("flashcheck.impls.sdpa", ["sdpa-math", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn"]),
-    ("flashcheck.impls.flex", ["flex", "flex-varlen"]),
+    ("flashcheck.impls.flex", ["flex"]),
+    ("flashcheck.impls.flex_varlen", ["flex-varlen"]),
     ("flashcheck.impls.jax_attn", ["jax-xla", "jax-cudnn", "jax-pallas"]),
 )
 

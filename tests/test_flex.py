@@ -224,8 +224,8 @@ def test_flex_varlen_nan_in_another_sequence_s_values_reaches_every_sequence():
     """A limitation of a document mask, found by the varlen property test_nan_in_every_other_sequence_
     never_reaches_a_sequence: flex hides another sequence's keys by giving them probability 0, and
     0 * NaN = NaN in P V (eager flex multiplies the whole P by V; a fused kernel does so in every
-    key block that two sequences share). Finite values never leak. When this stops reproducing, that
-    property will pass on flex-varlen."""
+    key block that two sequences share). Finite values never leak. flex-varlen declares it
+    (isolates_nan=False); when this stops reproducing, the declaration can go."""
     q, k, v = _nan_outside(NAN_BATCH, 1, "v")
     res = props.run(varlen(), NAN_BATCH, q, k, v)
     qs = NAN_BATCH.spans()[1][0]
