@@ -30,6 +30,7 @@ BUGS = {
     "dk_no_scale": "scale factor missing in dK",
     "gqa_wrong_map": "GQA query head mapped to the wrong kv head",
     "gqa_no_group_sum": "dK/dV not summed over the GQA group",
+    "gqa_group_past_4": "a GQA group wider than 4 query heads is mapped as if it held 4 (no template for it)",
     "lse_base2": "LSE returned in base 2",
     "no_max_subtraction": "overflow from large logits (no max subtraction)",
     "masked_row_nan": "NaN for a fully masked row",
@@ -46,6 +47,8 @@ def _setup(q, k, v, causal, scale, bug):
         scale = 1.0 / math.sqrt(d)
     group = hq // hkv
     heads = np.arange(hq) % hkv if bug == "gqa_wrong_map" else np.arange(hq) // group
+    if bug == "gqa_group_past_4":
+        heads = np.arange(hq) // min(group, 4) % hkv
     return heads, alignment(causal), q.dtype.type(scale), (b, hq, hkv, sq, sk)
 
 

@@ -122,6 +122,7 @@ def _boundary(lim: dict) -> list[Shape]:
         Shape(1, min(2, heads), 1, c(33), c(31), dmax(32), dmax(32), 32, 16),  # Sq > Sk, two tiles +- 1
         Shape(min(2, batch), 1, 1, c(64), c(64), dmax(64), dmax(64), 64, 64),  # exact multiples, batch 2
         Shape(min(2, batch), 1, min(3, heads), c(top - 3), c(top - 1), dmax(100), dmax(100), 128, 64),  # large
+        Shape(1, 1, 7, c(9), c(40), dmax(16), dmax(16), 16, 32),  # a wide GQA group (kernels ship without some)
     ]
 
 

@@ -139,6 +139,9 @@ def _cases(draw, dtypes, causal, regimes, masked_rows, masked_keys, equal_length
     batch = draw(st.integers(1, lim["batch"]), label="batch")
     hkv = draw(st.integers(1, lim["heads"]), label="hkv")
     hq = hkv * draw(st.integers(1, lim["heads"]), label="group")
+    if draw(WIDE_ODDS, label="wide group"):  # one or two kv heads, as a model's GQA has them
+        hkv = min(hkv, 2)
+        hq = hkv * draw(st.sampled_from(WIDE_GROUPS), label="wide group size")
     tiles = fixed_tiles()
     if tiles:  # lengths around the kernel's own tiles, which it does not take as arguments
         (block_q, block_k), reach = tiles, tile_reach(tiles)
@@ -176,6 +179,10 @@ def _cases(draw, dtypes, causal, regimes, masked_rows, masked_keys, equal_length
 
 # About one draw in eight goes to the long region; shrinking leaves it for the short one.
 LONG_ODDS = st.sampled_from((False,) * 7 + (True,))
+# Query heads per kv head past the profile's few: kernels instantiate a template per group size and
+# have shipped without some (FlashInfer's decode at 5, 6, 7 and 16), or wrong at one (group 7, bf16)
+WIDE_GROUPS = (5, 6, 7, 8, 16)
+WIDE_ODDS = st.sampled_from((False,) * 11 + (True,))
 
 
 @st.composite

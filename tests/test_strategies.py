@@ -34,6 +34,7 @@ REGIONS = {
     "Dv != D": lambda c: c.dv != c.d,
     "GQA": lambda c: c.hq > c.hkv > 1,
     "MQA": lambda c: c.hkv == 1 and c.hq > 1,
+    "a wide GQA group": lambda c: c.hq // c.hkv in (5, 6, 7, 8, 16) and c.hq // c.hkv > 3,
     "batch > 1": lambda c: c.batch > 1,
     "bottom-right causal": lambda c: c.causal == "bottom_right",
     "top-left causal": lambda c: c.causal == "top_left",
