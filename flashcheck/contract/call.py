@@ -137,6 +137,12 @@ def _grad_mode(path: str):
     return {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}.get(path, contextlib.nullcontext)()
 
 
+def _fresh(torch, device):
+    """On CPU a kernel's own allocations hold NaN until it writes them (memory.poisoned); on CUDA not
+    yet (a torch.compile'd kernel traces through the mode, unmeasured there)."""
+    return memory.poisoned(torch) if torch.device(device).type == "cpu" else contextlib.nullcontext()
+
+
 def run(impl: Implementation, case, q, k, v, do=None, *, device=None, path=None) -> Result:
     """Run forward (and backward through dO when given) on float64 arrays holding case.dtype values.
 
@@ -191,9 +197,7 @@ def run_torch(impl, case, q, k, v, do, *, device, path, shapes, layout_kw=None) 
     for x in (sinks, bias):
         if x is not None:
             x.requires_grad_(grad)
-    # on CPU a kernel's own allocations hold NaN until it writes them (memory.poisoned)
-    fresh = memory.poisoned(torch) if torch.device(device).type == "cpu" else contextlib.nullcontext()
-    with _grad_mode(path), fresh:
+    with _grad_mode(path), _fresh(torch, device):
         try:
             out = _call(impl, case, qt, kt, vt, **kw)
         except (AssertionError, NotImplementedError):
@@ -208,7 +212,7 @@ def run_torch(impl, case, q, k, v, do, *, device, path, shapes, layout_kw=None) 
                  lse_dtype="" if lse is None else str(lse.dtype).removeprefix("torch."))
     if do is not None:
         do_t = memory.lay(torch, do, case.memory, device=device, dtype=o.dtype)  # dO laid out as the inputs
-        with memory.poisoned(torch) if torch.device(device).type == "cpu" else contextlib.nullcontext():
+        with _fresh(torch, device):
             o.backward(do_t)
         res.dq, res.dk, res.dv = (_np(x.grad) if x.grad is not None else np.zeros(x.shape) for x in (qt, kt, vt))
         if sinks is not None:

@@ -77,8 +77,7 @@ def poisoned(torch):
     floating tensors filled with NaN. Memory a kernel allocates is uninitialized: often zeros on
     a fresh page, which happen to be the right O of a row that sees no key, so a kernel that never
     writes such rows (or a tail tile, or its LSE) passes by luck; NaN there fails it. A correct
-    kernel writes every entry it returns. (On CPU: a torch.compile'd kernel on CUDA traces through
-    the mode, which is not yet measured there.)"""
+    kernel writes every entry it returns."""
     return _poisoned_mode(torch)()
 
 
