@@ -73,15 +73,21 @@ class Compiled:
     skipped the frame, or fell back to eager) raises RanEager. ``backend`` is dynamo's name of the
     compiler doing the work ("eager" lets the suite test this guard on CPU without inductor)."""
 
-    def __init__(self, fn, backend="inductor"):
+    def __init__(self, fn, backend="inductor", dynamic=False):
         self.name = getattr(fn, "__name__", "fn")
         self.compiles = self.runs = 0  # graphs compiled, and calls that ran one
         self.error = None  # the last error a call raised (a failed compile, say), for RanEager to name
         self._backend = backend
-        # Static shapes: each shape is a graph of its own (the gpu lane draws about a dozen), which
-        # is what inductor's flex lowers reliably on torch 2.11 (dynamic shapes failed there with
-        # 'unbacked_bindings' and fake-tensor errors on every softcap, ALiBi and window case).
-        self.fn = torch.compile(fn, backend=self._compile, dynamic=False, fullgraph=True)
+        # Static shapes by default: each shape is a graph of its own (the gpu lane draws about a
+        # dozen, and inductor's disk caches share each graph between xdist workers: 3-10 s cold,
+        # 0.2-0.5 s from the cache on an H200). flex's known issue below is a property of the shapes
+        # a graph was compiled for, so a shape must not run on another shape's graph. Dynamic shapes
+        # (one graph per feature combination, whatever the lengths) serve flex-varlen, whose packed
+        # lengths differ on every call: probed on an H200 (torch 2.11) with the causal mask, the
+        # window, the softcap, ALiBi and a bias, every later length reused the first graph and
+        # matched float64 as closely as static graphs do. (While the softcap was captured as a
+        # Python float, dynamic shapes failed with 'unbacked_bindings'; every number is a tensor now.)
+        self.fn = torch.compile(fn, backend=self._compile, dynamic=dynamic, fullgraph=True)
 
     def _compile(self, gm, example_inputs):
         self.compiles += 1
@@ -113,9 +119,9 @@ class Compiled:
         return out
 
 
-@functools.lru_cache(maxsize=1)
-def _compiled():
-    return Compiled(flex_attention)
+@functools.lru_cache(maxsize=2)
+def _compiled(dynamic=False):
+    return Compiled(flex_attention, dynamic=dynamic)
 
 
 def _mask_mod(sq, sk, align, window, device, attn_mask=None):
@@ -172,13 +178,13 @@ def _scores(scale, softcap, device, dtype, alibi=None, bias=None):
     return score
 
 
-def _runner(q):
+def _runner(q, dynamic=False):
     """Compiled FlexAttention on CUDA, eager on CPU (see the module's docstring)."""
-    return _compiled() if q.is_cuda else flex_attention
+    return _compiled(dynamic) if q.is_cuda else flex_attention
 
 
-def _flex(q, k, v, **kw):
-    run = _runner(q)
+def _flex(q, k, v, dynamic, **kw):
+    run = _runner(q, dynamic=dynamic)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # eager mode warns that it is unfused: that is what we want on CPU
         if AuxRequest is not None:
@@ -201,9 +207,10 @@ def _compute_dtype(q):
     return torch.float64 if q.dtype == torch.float64 else torch.float32  # the dtype flex computes scores in
 
 
-def _run(q, k, v, mod, mask_mod, mask_bh, sinks):
+def _run(q, k, v, mod, mask_mod, mask_bh, sinks, dynamic=False):
     """FlexAttention at scale 1 (the score_mod scales), GQA through enable_gqa, ``mask_mod`` (or None) as
-    a block mask over (B, H) = ``mask_bh``. (B, H, S, *) in and out.
+    a block mask over (B, H) = ``mask_bh``, compiled for dynamic shapes where ``dynamic``. (B, H, S, *) in
+    and out.
 
     Sinks are one more key, after the last: its score is the sink's logit and its value 0, so flex's own
     softmax takes it in, as a fused kernel's does. (Merging it afterwards through the returned LSE carries
@@ -224,7 +231,7 @@ def _run(q, k, v, mod, mask_mod, mask_bh, sinks):
 
     mask = None if mask_mod is None else create_block_mask(mask_mod, *mask_bh, q.shape[2], k.shape[2],
                                                            device=q.device)
-    return _flex(q, k, v, score_mod=mod, block_mask=mask, scale=1.0, enable_gqa=q.shape[1] != k.shape[1])
+    return _flex(q, k, v, dynamic, score_mod=mod, block_mask=mask, scale=1.0, enable_gqa=q.shape[1] != k.shape[1])
 
 
 def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None,

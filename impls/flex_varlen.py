@@ -84,7 +84,10 @@ def varlen_attention(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
         # (the issue's own per-case predicate cannot see Tq); without GQA it compiles, so the kv heads
         # are repeated there (exact: their gradients sum back through repeat_interleave)
         k1, v1 = (x.repeat_interleave(g, dim=1) for x in (k1, v1))
-    o, lse = _run(q1, k1, v1, _scores(scale, float(softcap), q.device, cdt, alibi), band, (None, None), sinks)
+    # Dynamic shapes: Tq and Tk change with every batch drawn (one static graph per batch spent ~800 s
+    # of compiling in one gpu lane on an H200); one graph per feature combination serves them all.
+    o, lse = _run(q1, k1, v1, _scores(scale, float(softcap), q.device, cdt, alibi), band, (None, None), sinks,
+                  dynamic=True)
     if sinks is not None:  # a sequence without keys has no softmax for its sink to join (the contract's -inf)
         lse = lse.masked_fill(keyless, float("-inf"))
     return o[0].transpose(0, 1), lse[0]

@@ -75,7 +75,7 @@ def test_compiled_flex_runs_compiled_for_more_shapes_than_dynamo_s_default_recom
     if flex._CUDA:
         pytest.skip("on CUDA every flex property runs through the guard, compiled by inductor")
     guard = flex.Compiled(flex.flex_attention, backend="eager")
-    monkeypatch.setattr(flex, "_runner", lambda q: guard)
+    monkeypatch.setattr(flex, "_runner", lambda q, **kw: guard)
     impl = flex.attention.__flashcheck__
     for sq, sk in SHAPES:  # more distinct shapes than dynamo's default limit of 8 recompiles
         case = Case(hq=2, sq=sq, sk=sk, d=4, dv=4, causal="bottom_right", window=(3, -1), dtype="float32")
@@ -92,7 +92,7 @@ def test_a_new_scale_or_softcap_value_compiles_no_new_graph(monkeypatch):
     if flex._CUDA:
         pytest.skip("on CUDA every flex property runs through the guard, compiled by inductor")
     guard = flex.Compiled(flex.flex_attention, backend="eager")
-    monkeypatch.setattr(flex, "_runner", lambda q: guard)
+    monkeypatch.setattr(flex, "_runner", lambda q, **kw: guard)
     impl = flex.attention.__flashcheck__
     for scale, softcap in [(0.1, 2.0), (0.7, 3.0), (None, 0.5), (0.0, 40.0)]:
         case = Case(hq=2, sq=5, sk=6, d=4, dv=4, scale=scale, softcap=softcap, dtype="float32")
@@ -240,7 +240,7 @@ def test_compiled_flex_varlen_compiles_one_graph_for_any_offsets_causal_mode_and
     if flex._CUDA:
         pytest.skip("on CUDA every flex-varlen property runs through the guard, compiled by inductor")
     guard = flex.Compiled(flex.flex_attention, backend="eager")
-    monkeypatch.setattr(flex, "_runner", lambda q: guard)
+    monkeypatch.setattr(flex, "_runner", lambda q, **kw: guard)
     case = GQA.replace(softcap=2.0, alibi=(0.5, 0.25, -0.5, 1.0))
     batches = [Packed(case.replace(causal=BR), ((5, 9), (0, 3), (4, 0), (3, 8))),
                Packed(case.replace(causal=TL, window=(1, 2)), ((5, 9), (7, 11))),
@@ -249,6 +249,24 @@ def test_compiled_flex_varlen_compiles_one_graph_for_any_offsets_causal_mode_and
         run_and_check(p)
     assert guard.runs == len(batches), f"expected every call to run a compiled graph, got {guard.runs}"
     assert guard.compiles == 1, f"expected one graph for one (Tq, Tk), got {guard.compiles}"
+
+
+def test_compiled_flex_varlen_compiles_one_graph_for_any_token_counts(monkeypatch):
+    """flex-varlen compiles for dynamic shapes (``_run(..., dynamic=True)``): batches of other token
+    counts reuse the graph of the first, where static shapes would compile one graph per batch."""
+    if flex._CUDA:
+        pytest.skip("on CUDA every flex-varlen property runs through the guard, compiled by inductor")
+    guards = {}
+    monkeypatch.setattr(flex, "_runner", lambda q, dynamic=False: guards.setdefault(
+        dynamic, flex.Compiled(flex.flex_attention, backend="eager", dynamic=dynamic)))
+    case = GQA.replace(causal=BR, softcap=2.0)
+    batches = [Packed(case, lengths) for lengths in (((5, 9), (0, 3), (4, 0), (3, 8)), ((7, 11), (2, 2)),
+                                                      ((1, 1), (6, 13), (9, 4)))]
+    for p in batches:  # 12, 9 and 16 query tokens
+        run_and_check(p)
+    assert set(guards) == {True}, f"expected flex-varlen to ask for dynamic shapes, got {set(guards)}"
+    assert guards[True].runs == len(batches), f"expected every call to run a compiled graph, got {guards[True].runs}"
+    assert guards[True].compiles == 1, f"expected one graph for three token counts, got {guards[True].compiles}"
 
 
 BAD = [
