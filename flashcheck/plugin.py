@@ -14,6 +14,7 @@
   call raised or failed to compile (properties/helpers.py); an ``@example`` pin refitted to the
   declarations, or not run on them, is a PinNotAsWritten warning (in a plug-in run, only for the
   pins of the user's own tests: the suite's pins are refitted to every kernel by design).
+- ``-n N`` in the gpu profile schedules with xdist's "worksteal" unless ``--dist`` is given.
 - Numeric properties run before the ``input_validation`` ones, so a kernel that validates
   nothing does not stop an ``-x`` run before its numbers were checked. In a plug-in run, those
   that fail on a first case (flashcheck.firstpass) run before the others.
@@ -111,6 +112,7 @@ def pytest_configure(config):
                                 f"({here}); run pip install -e . in the checkout")
     _switch_triton_interpreter()
     profile = _load_profile(config)
+    _steal_work(config, profile)
     if os.environ.get("FLASHCHECK_PROPERTY_SECONDS"):
         _seconds(os.environ["FLASHCHECK_PROPERTY_SECONDS"])  # a bad value stops the run before it starts
     from flashcheck.contract import ContractError, builtins, load
@@ -165,6 +167,22 @@ def _switch_triton_interpreter():
 
     if "TRITON_INTERPRET" not in os.environ and not cuda_available():
         os.environ["TRITON_INTERPRET"] = "1"
+
+
+def _steal_work(config, profile):
+    """``-n N`` in the gpu profile schedules with xdist's "worksteal": its tests last from a second to
+    minutes (a compile-per-shape kernel's feature properties), and "load", xdist's default, hands each
+    worker its share of the queue up front, so the run waits on whichever drew the slow ones. An idle
+    worker steals queued tests instead. A --dist given on the command line is kept."""
+    if profile != "gpu" or os.environ.get("PYTEST_XDIST_WORKER") or getattr(config.option, "dist", None) != "load":
+        return
+    if any(a == "-d" or a.startswith("--dist") for a in map(str, config.invocation_params.args)):
+        return
+    try:
+        from xdist.scheduler import WorkStealingScheduling  # noqa: F401  (pytest-xdist >= 3.2)
+    except ImportError:
+        return
+    config.option.dist = "worksteal"
 
 
 def _load_profile(config):

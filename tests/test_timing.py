@@ -145,3 +145,21 @@ def test_a_run_given_a_log_runs_its_longest_test_first(tmp_path):
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     ran = [line.split("::")[1].split()[0] for line in run.stdout.splitlines() if line.startswith("test_order.py::")]
     assert ran == ["test_b", "test_c", "test_a"], f"expected the longest first, ran {ran}\n{run.stdout[-2000:]}"
+
+
+@pytest.mark.parametrize("profile, args, dist, expected", [
+    ("gpu", ("-n", "8"), "load", "worksteal"),  # xdist's default under -n
+    ("gpu", ("-n", "8", "--dist", "load"), "load", "load"),  # asked for: kept
+    ("gpu", ("-n", "8", "--dist=loadgroup"), "loadgroup", "loadgroup"),
+    ("ci", ("-n", "2"), "load", "load"),  # CPU profiles: as xdist would
+    ("gpu", (), "no", "no"),  # no workers
+])
+def test_the_gpu_profile_lets_idle_workers_steal_queued_tests(profile, args, dist, expected, monkeypatch):
+    from flashcheck import plugin
+
+    pytest.importorskip("xdist")
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    config = types.SimpleNamespace(option=types.SimpleNamespace(dist=dist),
+                                   invocation_params=types.SimpleNamespace(args=args))
+    plugin._steal_work(config, profile)
+    assert config.option.dist == expected, f"expected --dist {expected} for {profile} {args}, got {config.option.dist}"
