@@ -16,15 +16,19 @@ from flashcheck.strategies.case import visible
 DTYPES = ("float32", "float64")
 
 
-def _logits(q, k, causal, scale, window, softcap, alibi_slopes, attn_mask=None, attn_bias=None):
+def _logits(q, k, causal, scale, window, softcap, alibi_slopes, attn_mask=None, attn_bias=None, rows=None):
     """(s, visible, dcap): s (B, Hq, Sq, Sk) in q's dtype with -inf where hidden, and
-    dcap = d(softcapped logit)/d(scaled logit) (None without a softcap)."""
+    dcap = d(softcapped logit)/d(scaled logit) (None without a softcap).
+
+    ``rows`` = (indices, Sq): q, attn_mask and attn_bias hold only those query rows of a problem of
+    Sq queries (the sampled oracle, oracle/sampled.py); the masks and distances are theirs."""
     dt = q.dtype
-    b, hq, sq, d = q.shape
+    b, hq, _, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
+    index, sq = (np.arange(q.shape[2]), q.shape[2]) if rows is None else rows
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    qg = q.reshape(b, hkv, hq // hkv, sq, d)
-    s = (dt.type(scale) * (qg @ np.swapaxes(k.astype(dt)[:, :, None], -1, -2))).reshape(b, hq, sq, sk)
+    qg = q.reshape(b, hkv, hq // hkv, len(index), d)
+    s = (dt.type(scale) * (qg @ np.swapaxes(k.astype(dt)[:, :, None], -1, -2))).reshape(b, hq, len(index), sk)
     dcap = None
     if softcap:
         c = dt.type(softcap)
@@ -33,12 +37,12 @@ def _logits(q, k, causal, scale, window, softcap, alibi_slopes, attn_mask=None, 
     if alibi_slopes is not None:
         slopes = np.asarray(alibi_slopes).astype(dt)
         slopes = slopes.reshape((1,) * (2 - slopes.ndim) + slopes.shape + (1, 1))  # (B or 1, Hq, 1, 1)
-        dist = np.abs(np.arange(sq)[:, None] + sk - sq - np.arange(sk)[None, :]).astype(dt)
+        dist = np.abs(index[:, None] + sk - sq - np.arange(sk)[None, :]).astype(dt)
         s = s - slopes * dist
     if attn_bias is not None:  # after the softcap and ALiBi; its -inf entries hide their keys
         bias = np.asarray(attn_bias, dt)
         s = s + np.where(bias > -np.inf, bias, 0)
-    vis = visible(sq, sk, alignment(causal), window=window)
+    vis = visible(sq, sk, alignment(causal), rows=index, window=window)
     if attn_bias is not None:
         vis = vis & (np.asarray(attn_bias) > -np.inf)
     if attn_mask is not None:
@@ -65,7 +69,7 @@ def _check_features(q, window, softcap, alibi_slopes, sinks, dropout_p, dropout_
 
 
 def dense_probs(q, k, v, causal=False, scale=None, who="numpy-dense", *, window=None, softcap=0.0,
-                alibi_slopes=None, sinks=None, attn_mask=None, attn_bias=None):
+                alibi_slopes=None, sinks=None, attn_mask=None, attn_bias=None, rows=None):
     """Softmax probabilities in float64, in the grouped layout (B, Hkv, G, Sq, Sk).
 
     Returns (p, lse, (qg, kg, vg, scale, shape), extra) with extra = {"psink": the sink's
@@ -75,7 +79,7 @@ def dense_probs(q, k, v, causal=False, scale=None, who="numpy-dense", *, window=
     qg, kg, vg, align, scale, (b, hq, sq, sk, dv) = prepare(q, k, v, causal, scale, who)
     f64 = np.float64
     s, _, dcap = _logits(q.astype(f64), k.astype(f64), causal, scale, window, softcap, alibi_slopes, attn_mask,
-                         attn_bias)
+                         attn_bias, rows)
     grouped = (b, kg.shape[1], hq // kg.shape[1], sq)
     s = s.reshape(grouped + (sk,))
     m = s.max(axis=-1, keepdims=True)

@@ -1,0 +1,132 @@
+"""The oracle on sampled query rows: the float64 truth and the rule's bound for O, LSE and dQ at
+chosen rows only, for cases too large for the dense truth.
+
+O, LSE and dQ of a query row depend on that row alone (its q, dO, mask and bias rows, against every
+key), and so does every term of their bounds (bounds.py: the row's own scores, its P, its LSE, its
+D = rowsum(dO O)). So the rule, applied to a problem holding only the sampled rows, gives those rows
+exactly the bound it gives them in the whole problem, at O(rows x Sk x D) instead of O(Sq x Sk x D)
+(tests/test_sampled.py checks the verdicts against the dense oracle's, entry by entry). dK and dV
+sum over every query row; sampling their keys needs every row's softmax at those keys, which this
+module does not do.
+
+What it cannot judge, it refuses by name: the naive rule (it needs plain dense attention in t on
+the whole problem), dropout (the keep mask is the kernel's) and the results that are sums over
+rows (dK, dV, the sinks' and the bias's gradients).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from flashcheck.oracle import bounds, reference
+from flashcheck.oracle import rule
+from flashcheck.strategies.case import AttentionCase
+
+NAMES = ("o", "lse", "dq")  # the results that are functions of one query row
+
+
+def rows_to_check(case: AttentionCase, block: int = 128, random_rows: int = 16, seed: int = 0) -> np.ndarray:
+    """Query rows worth checking in a large case, sorted: the first and last tile, each side of every
+    tile boundary of ``block`` rows (where a kernel's tiling changes hands), and ``random_rows`` more."""
+    sq = case.sq
+    edges = [np.arange(min(block, sq)), np.arange(max(0, sq - block), sq)]
+    for start in range(block, sq, block):
+        edges.append(np.array([start - 1, start]))
+    chosen = np.concatenate(edges + [np.random.default_rng(seed).integers(0, sq, random_rows)])
+    return np.unique(chosen[(chosen >= 0) & (chosen < sq)])
+
+
+def _refuse(case: AttentionCase, name: str):
+    why = ("the naive rule needs plain dense attention in t on the whole problem" if case.precision == "naive"
+           else "dropout's keep mask is the kernel's" if case.dropout_p
+           else None if name in NAMES else f"{name} sums over every query row")
+    if why:
+        raise ValueError(f"the sampled oracle cannot judge {name} of {case!r}: {why}")
+
+
+class _Rows:
+    """The case as bounds.py reads it, holding only ``rows`` of its queries."""
+
+    def __init__(self, case: AttentionCase, rows: np.ndarray, vis: np.ndarray):
+        self._case, self.sq, self._vis = case, len(rows), vis
+
+    def __getattr__(self, name):
+        return getattr(self._case, name)
+
+    def visible_grouped(self):
+        return self._vis
+
+
+def _visible_grouped(case: AttentionCase, rows: np.ndarray) -> np.ndarray:
+    vis = reference.visible(case.sq, case.sk, case.causal, rows=rows, window=case.window)
+    if case.mask is None and case.bias is None:
+        return vis
+    if case.mask is not None:
+        vis = vis & case.attn_mask()[:, :, rows]
+    if case.bias is not None:
+        vis = vis & (case.attn_bias()[:, :, rows] > -np.inf)
+    vis = np.broadcast_to(vis, (case.batch, case.hq, len(rows), case.sk))
+    return vis.reshape(case.batch, case.hkv, case.hq // case.hkv, len(rows), case.sk)
+
+
+def _row_kwargs(case: AttentionCase, rows: np.ndarray) -> dict:
+    """The reference's keyword arguments, its mask and bias tensors cut to ``rows``."""
+    kw = case.reference_kwargs()
+    for name in ("attn_mask", "attn_bias"):
+        if kw.get(name) is not None:
+            x = np.asarray(kw[name])
+            kw[name] = x[:, :, rows] if x.shape[2] == case.sq else x  # a row broadcast (size 1) stays
+    return kw | {"rows": (rows, case.sq)}
+
+
+def parts(case: AttentionCase, rows: np.ndarray):
+    """(truth, bounds): the float64 O, LSE and dQ at ``rows`` (B, Hq, R, .), and the rule's rounding terms."""
+    q, k, v, do = case.inputs()
+    q, do = q[:, :, rows], do[:, :, rows]
+    kw = _row_kwargs(case, rows)
+    probs = reference.dense_probs(q, k, v, who="sampled oracle", **kw)
+    kw.pop("rows")
+    o, lse = reference.dense_forward(q, k, v, probs=probs, **kw)
+    dq = reference.dense_backward(q, k, v, o, lse, do, probs=probs, **kw)[0]
+    p, lse_g, (qg, kg, vg, sc, _), extra = probs
+    vis = _visible_grouped(case, rows)
+    s = np.where(vis, extra["s"], 0.0)
+    dog = do.reshape(qg.shape[:-1] + (do.shape[-1],))
+    pt = rule._Parts(qg, kg, vg, dog, s, p, p @ vg, lse_g, sc, extra["psink"])
+    dp = dog @ np.swapaxes(vg, -1, -2)
+    dp_minus_d = dp - (dog * pt.o).sum(-1, keepdims=True)
+    with np.errstate(over="ignore"):
+        terms = bounds.rounding_bounds(_Rows(case, rows, vis), pt, (dp, dp_minus_d, p * dp_minus_d),
+                                       rule.half_spacing)
+    return {"o": o, "lse": lse, "dq": dq}, terms
+
+
+def allowed(case: AttentionCase, name: str, rows: np.ndarray, truth=None, terms=None) -> np.ndarray:
+    """The rule's allowed error at ``rows`` of result ``name`` (rule.allowed, cut to those rows)."""
+    _refuse(case, name)
+    if truth is None or terms is None:
+        truth, terms = parts(case, rows)
+    floor = rule.half_spacing(truth[name], rule.result_dtype(case.dtype, name)) * (1 + 2 * rule.ULP_FLOOR)
+    return terms[name] + floor
+
+
+def entries(case: AttentionCase, name: str, got: np.ndarray, rows: np.ndarray) -> rule.Entries:
+    """``got``, result ``name`` at ``rows`` only (B, Hq, R, .), entry by entry under the rule."""
+    truth, terms = parts(case, rows)
+    return rule.entries(case, name, got, want=truth[name], budget=allowed(case, name, rows, truth, terms))
+
+
+def compare(case: AttentionCase, name: str, got: np.ndarray, rows: np.ndarray, who: str = "") -> None:
+    """Assert ``got`` (result ``name`` at ``rows``) lies within the rule; the message names the row."""
+    e = entries(case, name, got, rows)
+    if not e.wrong.any():
+        return
+    label = f"{who} {name} (sampled rows)".strip()
+    with np.errstate(over="ignore", invalid="ignore"):
+        ratio = np.where(e.nonfinite, np.inf, e.err / np.maximum(e.limit, 1e-300))
+    idx = np.unravel_index(int(np.argmax(np.where(e.wrong, ratio, -1.0))), ratio.shape)
+    at = idx[:2] + (int(rows[idx[2]]),) + idx[3:]
+    raise AssertionError(
+        f"{label}: {int(e.wrong.sum())} of {e.err.size} sampled entries off by more than allowed; worst at "
+        f"{tuple(int(i) for i in at)}: expected {float(e.want[idx])!r}, got {float(got[idx])!r}, error "
+        f"{float(e.err[idx]):.3e} > allowed {float(e.limit[idx]):.3e}\n  rows checked: {len(rows)} of {case.sq}"
+        f"\n  case: {case!r}")
