@@ -128,3 +128,26 @@ def test_the_bounds_stay_numbers_where_the_scores_error_passes_exp_s_range():
         for name in ("o", "lse", "dq", "dk", "dv"):
             limit = orc.allowed(case, name)
             assert not np.isnan(limit).any(), f"{name}: expected a bound at every entry, {np.isnan(limit).sum()} are NaN"
+
+
+def _lse_in_log2_units(case: Case) -> np.ndarray:
+    """The LSE as an exp2 kernel computes it in its accumulator: logits times log2 e, the sink's too,
+    the max, log2 of the sum, and back times ln 2, each step rounded."""
+    acc = np.float64 if case.dtype == "float64" else np.float32
+    q, k, _, _ = case.inputs()
+    k = np.repeat(k, case.hq // case.hkv, axis=1)
+    log2e, ln2 = acc(np.log2(np.e)), acc(np.log(2))
+    s2 = (acc(orc._parts(case).scale) * (q.astype(acc) @ np.swapaxes(k.astype(acc), -1, -2))) * log2e
+    sink2 = (case.sink_logits().astype(acc) * log2e).reshape(1, -1, 1, 1)
+    m = np.maximum(s2.max(-1, keepdims=True), sink2)
+    total = np.exp2(s2 - m).sum(-1, keepdims=True, dtype=acc) + np.exp2(sink2 - m)
+    return ((m + np.log2(total)) * ln2)[..., 0].astype(np.float64)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("sinks", [(0.0, 30.0), (-3.0, 200.0), (1.5, -0.5)])
+def test_an_lse_in_log2_units_with_a_sink_that_holds_the_row_passes(dtype, sinks):
+    """Pinned (CPU sweep, seed 5): flex-varlen's float64 LSE was 2 ulps off, 1.08x the bound, where a sink
+    of 30 held the whole row: the sink's logit rounds (times log2 e, against the max) like a score's."""
+    case = Case(batch=2, hq=2, sq=2, sk=10, d=2, dv=2, regime="equal", sinks=sinks, dtype=dtype)
+    orc.compare(case, "lse", _lse_in_log2_units(case), who="log2-unit LSE")

@@ -142,6 +142,7 @@ class Scores:
     wp: np.ndarray | float  # the shared operand errors' share of w (0.0 when none)
     sub: np.ndarray | float  # subnormal spacing on the visible entries
     lse: np.ndarray  # the LSE (finite rows; 0 elsewhere), keepdims
+    sink: np.ndarray | float  # the sink's share of the LSE's error (0.0 without sinks), keepdims
 
 
 def _scores(case, pt, pr: Precision, u: Units) -> Scores:
@@ -175,7 +176,11 @@ def _scores(case, pt, pr: Precision, u: Units) -> Scores:
     # So does truncation to TF32, which shrinks every product of a dot product alike.
     pre = np.where(vis, (u.pre + 2 * u.tr) * abs_s, 0.0)
     # The LSE's own error shifts every P of its row in the backward (P = exp(s - LSE)).
-    lse_own = u.sum_of(sk) + 2 * u.acc * np.abs(lse)
+    # A sink is one more term of the row's sum, with a logit but no dot product: its rounding (times
+    # log2 e in an exp2 kernel, then against the max) reaches the LSE in proportion to its share. Seen
+    # on CPU: flex's float64 LSE at 1.08x the bound where a sink of 30 held the whole row.
+    sink = _sink_error(case, pt, m, u)
+    lse_own = u.sum_of(sk) + 2 * u.acc * np.abs(lse) + sink
     lse_worst = (p * (worst + pre)).sum(-1, keepdims=True) + lse_own
     lse_var = (p * p * var).sum(-1, keepdims=True) + VAR * lse_own ** 2
     # Bound on P_ij's relative error, and its variance: P and V rounded (a truncated TF32 operand
@@ -215,7 +220,18 @@ def _scores(case, pt, pr: Precision, u: Units) -> Scores:
     return Scores(vis=vis, q=q, k=k, v=pt.v, do=pt.do, p=p, o=pt.o, scale=pt.scale, sc=sc, aq=aq, ak=ak,
                   av=np.abs(pt.v), ado=np.abs(pt.do), ao=np.abs(pt.o), abs_s=abs_s, worst=worst, var=var,
                   pre=pre, rho=rho, p_rho=p_rho, rho_var=rho_var, w=w, w2_p=w2_p, w2_rest=w2 - w2_p, n_row=n_row, n_col=n_col,
-                  big_row=big_row, wp=wp, sub=sub, lse=lse)
+                  big_row=big_row, wp=wp, sub=sub, lse=lse, sink=sink)
+
+
+def _sink_error(case, pt, m, u: Units):
+    """The sink's logit rounded at its own size and against the row's max, weighted by its share of the
+    row's softmax (B, Hkv, G, Sq, 1); 0.0 without sinks."""
+    if pt.psink is None or case.sinks is None:
+        return 0.0
+    sink = np.asarray(case.sink_logits(), np.float64).reshape(1, case.hkv, case.hq // case.hkv, 1, 1)
+    with np.errstate(invalid="ignore"):  # a sink of -inf: no share, no error
+        err = np.where(np.isfinite(sink), 4 + 2 * np.abs(sink) + 2 * np.abs(sink - np.maximum(m, sink)), 0.0)
+    return pt.psink[..., None] * u.acc * err
 
 
 def _o_terms(s: Scores, u: Units):
@@ -243,8 +259,9 @@ def _lse(s: Scores, u: Units):
     """LSE = m + log(sum_j exp(s_j - m)) from float32 P: only the scores' errors and the sums.
     Equal scores (identical keys) carry equal errors: the LSE's are taken as fully aligned."""
     p = s.p
+    sink = s.sink[..., 0] if isinstance(s.sink, np.ndarray) else s.sink
     return _bound((p * s.worst).sum(-1), (p * np.sqrt(s.var)).sum(-1) ** 2,
-                  u.sum_of(p.shape[-1]) + u.acc * np.abs(s.lse[..., 0]) + (p * s.pre).sum(-1))
+                  u.sum_of(p.shape[-1]) + u.acc * np.abs(s.lse[..., 0]) + (p * s.pre).sum(-1) + sink)
 
 
 def _dv(s: Scores, u: Units):
