@@ -169,22 +169,24 @@ class AttentionCase:
         b = self.attn_bias()
         return None if b is None else b.astype(np.float64 if self.dtype == "float64" else np.float32)
 
-    def visible(self) -> np.ndarray:
+    def visible(self, rows=None) -> np.ndarray:
         """Which keys each query row sees: the causal mask, the window, the attn_mask and the bias's
-        -inf entries. (Sq, Sk) without a mask or bias tensor, else (B, Hq, Sq, Sk)."""
-        vis = visible(self.sq, self.sk, self.causal, window=self.window)
+        -inf entries. (Sq, Sk) without a mask or bias tensor, else (B, Hq, Sq, Sk); only the query
+        ``rows`` given (an index array), if any."""
+        vis = visible(self.sq, self.sk, self.causal, rows=rows, window=self.window)
         if self.mask is None and self.bias is None:
             return vis
+        some = slice(None) if rows is None else rows
         if self.mask is not None:
-            vis = vis & self.attn_mask()
+            vis = vis & self.attn_mask()[:, :, some]
         if self.bias is not None:
-            vis = vis & (self.attn_bias() > -np.inf)
-        return np.broadcast_to(vis, (self.batch, self.hq, self.sq, self.sk)).copy()
+            vis = vis & (self.attn_bias()[:, :, some] > -np.inf)
+        return np.broadcast_to(vis, (self.batch, self.hq) + vis.shape[-2:]).copy()
 
-    def visible_grouped(self) -> np.ndarray:
+    def visible_grouped(self, rows=None) -> np.ndarray:
         """visible() in the grouped layout (B, Hkv, G, Sq, Sk) where it is per batch and head."""
-        vis = self.visible()
-        return vis if vis.ndim == 2 else vis.reshape(self.batch, self.hkv, self.hq // self.hkv, self.sq, self.sk)
+        vis = self.visible(rows)
+        return vis if vis.ndim == 2 else vis.reshape((self.batch, self.hkv, self.hq // self.hkv) + vis.shape[-2:])
 
     @property
     def has_masked_rows(self) -> bool:

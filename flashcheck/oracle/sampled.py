@@ -56,18 +56,6 @@ class _Rows:
         return self._vis
 
 
-def _visible_grouped(case: AttentionCase, rows: np.ndarray) -> np.ndarray:
-    vis = reference.visible(case.sq, case.sk, case.causal, rows=rows, window=case.window)
-    if case.mask is None and case.bias is None:
-        return vis
-    if case.mask is not None:
-        vis = vis & case.attn_mask()[:, :, rows]
-    if case.bias is not None:
-        vis = vis & (case.attn_bias()[:, :, rows] > -np.inf)
-    vis = np.broadcast_to(vis, (case.batch, case.hq, len(rows), case.sk))
-    return vis.reshape(case.batch, case.hkv, case.hq // case.hkv, len(rows), case.sk)
-
-
 def _row_kwargs(case: AttentionCase, rows: np.ndarray) -> dict:
     """The reference's keyword arguments, its mask and bias tensors cut to ``rows``."""
     kw = case.reference_kwargs()
@@ -88,7 +76,7 @@ def parts(case: AttentionCase, rows: np.ndarray):
     o, lse = reference.dense_forward(q, k, v, probs=probs, **kw)
     dq = reference.dense_backward(q, k, v, o, lse, do, probs=probs, **kw)[0]
     p, lse_g, (qg, kg, vg, sc, _), extra = probs
-    vis = _visible_grouped(case, rows)
+    vis = case.visible_grouped(rows)
     s = np.where(vis, extra["s"], 0.0)
     dog = do.reshape(qg.shape[:-1] + (do.shape[-1],))
     pt = rule._Parts(qg, kg, vg, dog, s, p, p @ vg, lse_g, sc, extra["psink"])
