@@ -159,16 +159,19 @@ def _score_mod(sq, sk, scale, softcap, slopes, device, dtype, bias=None):
     return _scores(scale, softcap, device, dtype, alibi, bias)
 
 
-def _scores(scale, softcap, device, dtype, alibi=None, bias=None):
+def _scores(scale, softcap, device, dtype, alibi=None, bias=None, always_capped=False):
     """The logit path after q k^T: scale, softcap, ``alibi(b, h, i, j)`` subtracted, then the bias
-    tensor (B, Hq, Sq, Sk) added: -inf there hides a key, as a mask does."""
+    tensor (B, Hq, Sq, Sk) added: -inf there hides a key, as a mask does. ``always_capped``: the
+    softcap is in the graph whether or not it is on (a tensor says which), so that a softcap does not
+    make a graph of its own; off, the scaled logit passes unchanged, bit for bit."""
     scale = torch.tensor(scale, dtype=dtype, device=device)
-    cap = torch.tensor(softcap, dtype=dtype, device=device) if softcap else None
+    cap = torch.tensor(softcap or 1.0, dtype=dtype, device=device) if softcap or always_capped else None
+    on = torch.tensor(bool(softcap), device=device)
 
     def score(s, b, h, i, j):
         s = s * scale
         if cap is not None:
-            s = cap * torch.tanh(s / cap)
+            s = torch.where(on, cap * torch.tanh(s / cap), s) if always_capped else cap * torch.tanh(s / cap)
         if alibi is not None:
             s = s - alibi(b, h, i, j)
         if bias is not None:

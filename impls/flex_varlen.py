@@ -73,10 +73,16 @@ def varlen_attention(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
         return (j >= lo[i]) & (j <= hi[i])
 
     cdt = _compute_dtype(q)
-    alibi = None
-    if slopes is not None:
-        per_token = slopes.to(cdt)[seq]  # (Tq, Hq): each query token's sequence's row
-        alibi = lambda b, h, i, j: per_token[i, h] * (diag[i] - j).abs()  # noqa: E731
+    # One score_mod for every call: the softcap and ALiBi are always in it, off as a softcap flag of
+    # False and slopes of 0 (s - 0 |i - j| is s, bit for bit), so a feature combination is not a graph
+    # of its own. Dynamic shapes (below) and this leave a graph per dtype and head grouping: one gpu
+    # lane compiled for ~600 s with a graph per feature combination.
+    per_token = (slopes.to(cdt)[seq] if slopes is not None  # (Tq, Hq): each query token's sequence's row
+                 else torch.zeros(q.shape[0], hq, dtype=cdt, device=q.device))
+
+    def alibi(b, h, i, j):
+        return per_token[i, h] * (diag[i] - j).abs()
+
     scale = d ** -0.5 if scale is None else float(scale)
     g = hq // k.shape[1]
     if q.is_cuda and g > 1 and q.shape[0] < 128 < q.shape[0] * g:
@@ -85,9 +91,9 @@ def varlen_attention(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
         # are repeated there (exact: their gradients sum back through repeat_interleave)
         k1, v1 = (x.repeat_interleave(g, dim=1) for x in (k1, v1))
     # Dynamic shapes: Tq and Tk change with every batch drawn (one static graph per batch spent ~800 s
-    # of compiling in one gpu lane on an H200); one graph per feature combination serves them all.
-    o, lse = _run(q1, k1, v1, _scores(scale, float(softcap), q.device, cdt, alibi), band, (None, None), sinks,
-                  dynamic=True)
+    # of compiling in one gpu lane on an H200).
+    o, lse = _run(q1, k1, v1, _scores(scale, float(softcap), q.device, cdt, alibi, always_capped=True), band,
+                  (None, None), sinks, dynamic=True)
     if sinks is not None:  # a sequence without keys has no softmax for its sink to join (the contract's -inf)
         lse = lse.masked_fill(keyless, float("-inf"))
     return o[0].transpose(0, 1), lse[0]

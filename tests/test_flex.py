@@ -251,22 +251,25 @@ def test_compiled_flex_varlen_compiles_one_graph_for_any_offsets_causal_mode_and
     assert guard.compiles == 1, f"expected one graph for one (Tq, Tk), got {guard.compiles}"
 
 
-def test_compiled_flex_varlen_compiles_one_graph_for_any_token_counts(monkeypatch):
-    """flex-varlen compiles for dynamic shapes (``_run(..., dynamic=True)``): batches of other token
-    counts reuse the graph of the first, where static shapes would compile one graph per batch."""
+def test_compiled_flex_varlen_compiles_one_graph_for_any_token_counts_and_features(monkeypatch):
+    """flex-varlen compiles for dynamic shapes (``_run(..., dynamic=True)``) with the softcap and ALiBi
+    always in its score_mod: batches of other token counts, with or without a softcap or ALiBi, reuse
+    the graph of the first, where static shapes would compile one graph per batch and feature set."""
     if flex._CUDA:
         pytest.skip("on CUDA every flex-varlen property runs through the guard, compiled by inductor")
     guards = {}
     monkeypatch.setattr(flex, "_runner", lambda q, dynamic=False: guards.setdefault(
         dynamic, flex.Compiled(flex.flex_attention, backend="eager", dynamic=dynamic)))
-    case = GQA.replace(causal=BR, softcap=2.0)
-    batches = [Packed(case, lengths) for lengths in (((5, 9), (0, 3), (4, 0), (3, 8)), ((7, 11), (2, 2)),
-                                                      ((1, 1), (6, 13), (9, 4)))]
-    for p in batches:  # 12, 9 and 16 query tokens
+    case = GQA.replace(causal=BR)
+    batches = [Packed(case.replace(softcap=2.0), ((5, 9), (0, 3), (4, 0), (3, 8))),
+               Packed(case, ((7, 11), (2, 2))),
+               Packed(case.replace(alibi=(0.5, 0.25, -0.5, 1.0)), ((1, 1), (6, 13), (9, 4))),
+               Packed(case.replace(softcap=0.5, alibi=(0.5, 0.25, -0.5, 1.0)), ((2, 5), (3, 3)))]
+    for p in batches:  # 12, 9, 16 and 5 query tokens; softcap, none, ALiBi, both
         run_and_check(p)
     assert set(guards) == {True}, f"expected flex-varlen to ask for dynamic shapes, got {set(guards)}"
     assert guards[True].runs == len(batches), f"expected every call to run a compiled graph, got {guards[True].runs}"
-    assert guards[True].compiles == 1, f"expected one graph for three token counts, got {guards[True].compiles}"
+    assert guards[True].compiles == 1, f"expected one graph for four batches, got {guards[True].compiles}"
 
 
 BAD = [
