@@ -15,9 +15,10 @@ Compiled means compiled for every call (``Compiled``): dynamo's defaults would r
 silently, once one function has been recompiled 8 times, and a suite that draws hundreds of
 shapes and feature combinations passes that in minutes. So every number the mask_mod and
 score_mod capture is a tensor (a Python int is a guard: one graph per value; a Python float
-under dynamic shapes, a symbolic input inductor cannot lower), shapes are static (a graph per
-shape: the gpu lane draws about a dozen), the recompile limits are raised, and a call that ran
-no compiled graph raises ``RanEager`` instead of returning.
+under dynamic shapes, a symbolic input inductor cannot lower), shapes are dynamic (a graph per
+feature combination, dtype and head grouping; static only where the known issue below lives, and
+everywhere with FLASHCHECK_FLEX_STATIC=1), the recompile limits are raised, and a call that ran no
+compiled graph raises ``RanEager`` instead of returning.
 Eager FlexAttention on CPU is deliberate: inductor's CPU FlexAttention (torch 2.13) returns no LSE
 and has no backward ("torch.compile on CPU only supports inference and `return_lse` is not
 supported yet"), and its first compile takes about a minute on a 2-core machine.
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import warnings
 
 import torch
@@ -78,15 +80,14 @@ class Compiled:
         self.compiles = self.runs = 0  # graphs compiled, and calls that ran one
         self.error = None  # the last error a call raised (a failed compile, say), for RanEager to name
         self._backend = backend
-        # Static shapes by default: each shape is a graph of its own (the gpu lane draws about a
-        # dozen, and inductor's disk caches share each graph between xdist workers: 3-10 s cold,
-        # 0.2-0.5 s from the cache on an H200). flex's known issue below is a property of the shapes
-        # a graph was compiled for, so a shape must not run on another shape's graph. Dynamic shapes
-        # (one graph per feature combination, whatever the lengths) serve flex-varlen, whose packed
-        # lengths differ on every call: probed on an H200 (torch 2.11) with the causal mask, the
-        # window, the softcap, ALiBi and a bias, every later length reused the first graph and
-        # matched float64 as closely as static graphs do. (While the softcap was captured as a
-        # Python float, dynamic shapes failed with 'unbacked_bindings'; every number is a tensor now.)
+        # Static shapes make each shape a graph of its own: 3-10 s cold on an H200, 0.2-0.5 s from
+        # inductor's disk caches, which xdist workers share. Every pin of every property is a shape of
+        # its own, and in one gpu lane flex spent 466 of its 492 s compiling. Dynamic shapes compile a
+        # graph per feature combination, whatever the lengths: probed on an H200 (torch 2.11) with the
+        # causal mask, the window, the softcap, ALiBi and a bias, forward and backward, every later
+        # length reused the first graph and matched float64 as closely as static graphs do. (While the
+        # softcap was captured as a Python float, dynamic shapes failed with 'unbacked_bindings'; every
+        # number is a tensor now.)
         self.fn = torch.compile(fn, backend=self._compile, dynamic=dynamic, fullgraph=True)
 
     def _compile(self, gm, example_inputs):
@@ -237,6 +238,13 @@ def _run(q, k, v, mod, mask_mod, mask_bh, sinks, dynamic=False):
     return _flex(q, k, v, dynamic, score_mod=mod, block_mask=mask, scale=1.0, enable_gqa=q.shape[1] != k.shape[1])
 
 
+def _no_valid_choices(hq, hkv, sq, block_masked):
+    """Where GQA_NO_VALID_CHOICES (below) lives. Its shapes compile statically: the issue was found
+    and probed with a graph per shape, and a dynamic graph compiled for another shape would hide it
+    or not, depending on which shape came first."""
+    return hq != hkv and sq < 128 < sq * (hq // hkv) and block_masked
+
+
 def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None,
               attn_mask=None, attn_bias=None):
     _check_tensors(q, k, v, WHO)
@@ -258,7 +266,9 @@ def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0
     # a short gpu-profile run of it passed on an H200, torch 2.11).
     bias = None if attn_bias is None else attn_bias.to(cdt).expand(b, hq, sq, sk)
     scale = d ** -0.5 if scale is None else float(scale)
-    return _run(q, k, v, _score_mod(sq, sk, scale, float(softcap), slopes, q.device, cdt, bias), mask, mask_bh, sinks)
+    dynamic = os.environ.get("FLASHCHECK_FLEX_STATIC") != "1" and not _no_valid_choices(hq, hkv, sq, mask is not None)
+    return _run(q, k, v, _score_mod(sq, sk, scale, float(softcap), slopes, q.device, cdt, bias), mask, mask_bh, sinks,
+                dynamic=dynamic)
 
 
 # Eager FlexAttention costs ~0.1 s a call on CPU: its full property run is opt-in there ("slow",
@@ -278,8 +288,8 @@ def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0
 GQA_NO_VALID_CHOICES = KnownIssue(
     "compiled FlexAttention (torch 2.11): GQA with a block mask at Sq < 128 < Sq * (Hq / Hkv) fails to "
     "lower (InductorError: NoValidChoicesError)",
-    applies=lambda c: c.hq != c.hkv and c.sq < 128 < c.sq * (c.hq // c.hkv)
-    and (c.causal is not None or c.window is not None or c.mask is not None),  # a block mask (inferred for masks)
+    applies=lambda c: _no_valid_choices(c.hq, c.hkv, c.sq, c.causal is not None or c.window is not None
+                                        or c.mask is not None),  # a block mask (inferred for masks)
     witness=dict(hq=4, hkv=2, sq=70, sk=64, d=16, dv=16, causal="bottom_right", dtype="float16"),
     failure=r"NoValidChoicesError|No choices")
 

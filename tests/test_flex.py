@@ -100,6 +100,30 @@ def test_a_new_scale_or_softcap_value_compiles_no_new_graph(monkeypatch):
     assert guard.compiles == 1, f"expected one graph for four scales and softcaps, got {guard.compiles}"
 
 
+def test_compiled_flex_compiles_for_dynamic_shapes_except_where_its_known_issue_lives(monkeypatch):
+    """A graph per feature combination, whatever the lengths; the GQA + block mask shapes of
+    GQA_NO_VALID_CHOICES keep a graph per shape (found and probed that way), and so does every shape
+    with FLASHCHECK_FLEX_STATIC=1."""
+    if flex._CUDA:
+        pytest.skip("on CUDA every flex property runs through the guard, compiled by inductor")
+    guards = {}
+    monkeypatch.setattr(flex, "_runner", lambda q, dynamic=False: guards.setdefault(
+        dynamic, flex.Compiled(flex.flex_attention, backend="eager", dynamic=dynamic)))
+    impl = flex.attention.__flashcheck__
+    outside = [Case(hq=4, hkv=2, sq=sq, sk=sk, d=4, dv=4, causal="bottom_right", dtype="float32")
+               for sq, sk in ((40, 64), (17, 9), (30, 100))]  # Sq G <= 128 (and one 128-row block: a count
+    # of 1 is a size dynamo specializes, so more blocks are a second graph)
+    inside = Case(hq=4, hkv=2, sq=70, sk=64, d=4, dv=4, causal="bottom_right", dtype="float32")  # 70 < 128 < 140
+    for case in outside + [inside]:
+        orc.compare(case, "o", ph.forward(impl, case).o, who="compiled flex")
+    assert guards[True].compiles == 1 and guards[True].runs == 3, (
+        f"expected one dynamic graph for three lengths, got {guards[True].compiles} for {guards[True].runs} calls")
+    assert guards[False].runs == 1, "expected the known issue's shape on a static graph"
+    monkeypatch.setenv("FLASHCHECK_FLEX_STATIC", "1")
+    ph.forward(impl, outside[0])
+    assert guards[False].runs == 2, "expected FLASHCHECK_FLEX_STATIC=1 to compile statically"
+
+
 def test_a_call_that_runs_no_compiled_graph_raises_instead_of_returning_eager_results():
     guard = flex.Compiled(lambda x: x + 1, backend="eager")
     assert guard(torch.ones(3)).tolist() == [2.0] * 3 and guard.runs == 1
