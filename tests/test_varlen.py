@@ -84,6 +84,32 @@ def test_the_varlen_example_agrees_with_each_sequence_s_truth():
     assert not res.o[p.spans()[3][0]].any(), "expected O = 0 for a sequence without keys"
 
 
+def test_the_torch_varlen_attn_plugin_declares_what_its_torch_takes(monkeypatch):
+    """examples/torch_varlen_attn.py wraps torch's own varlen FlashAttention (CUDA only): it declares
+    GQA, the window and the scale from the signature of the torch it runs on, and maps causal to
+    FlashAttention's window right edge of 0."""
+    import inspect
+
+    import torch
+
+    from flashcheck.contract import load
+
+    impl = load("examples/torch_varlen_attn.py:attention")
+    mod = __import__(impl.fn.__module__)
+    takes = set(inspect.signature(mod.varlen_attn).parameters) if mod.varlen_attn is not None else set()
+    assert (impl.gqa, impl.window, impl.scale_arg) == ("enable_gqa" in takes, "window_size" in takes,
+                                                        "scale" in takes), f"declared against {sorted(takes)}"
+    assert impl.devices == ("cuda",) and impl.varlen and impl.causal == ("bottom_right",)
+    monkeypatch.setattr(mod, "TAKES", {"scale", "window_size", "enable_gqa"})
+    q, k = torch.zeros(4, 4, 8), torch.zeros(6, 2, 8)
+    for causal, window, want in [(True, (-1, -1), (-1, 0)), (True, (3, 2), (3, 0)), (False, (3, 2), (3, 2)),
+                                 (True, (4, -1), (4, 0)), (False, (-1, -1), (-1, -1))]:
+        kw = mod._keywords(q, k, causal, 0.5, window)
+        assert kw == {"scale": 0.5, "window_size": want, "enable_gqa": True}, f"causal={causal} {window}: {kw}"
+    monkeypatch.setattr(mod, "TAKES", {"is_causal"})  # torch 2.9
+    assert mod._keywords(q, k, True, None, (-1, -1)) == {"is_causal": True}
+
+
 def test_isolates_nan_false_goes_with_varlen():
     from flashcheck.contract import ContractError, implementation
 
