@@ -10,6 +10,9 @@ GPU it ran on; its reproducer runs on whatever device the replaying machine has.
 - FLASHCHECK_GPUS: the GPUs to use, as CUDA_VISIBLE_DEVICES writes them ("0,1", or UUIDs);
   default: CUDA_VISIBLE_DEVICES if set, else every GPU torch counts.
 - FLASHCHECK_WORKERS_PER_GPU: workers per GPU for ``-n auto``.
+
+Also how a run's workers share the host (their torch threads) and its queue (worksteal in the gpu
+profile), and what happens when a kernel loses the CUDA context.
 """
 from __future__ import annotations
 
@@ -103,3 +106,54 @@ def stop_if_lost(item) -> None:
         print(line + "; this xdist worker exits and a fresh one takes the remaining tests", file=sys.stderr, flush=True)
         os._exit(3)
     item.session.shouldstop = line + "; the run stops (under pytest-xdist, -n N, a fresh worker takes over)"
+
+
+# How a pytest-xdist run spreads over the workers (the plugin calls these at configure time).
+
+def pin_workers(config):
+    """The xdist controller fixes the list of GPUs in the environment, which its workers inherit,
+    and each worker then sees only its own."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker is not None:
+        pin(worker, _split(os.environ.get(GPUS_ENV, "")))
+    elif config.getoption("numprocesses", None) and os.environ.get(GPUS_ENV) is None:
+        listed = gpus()
+        if listed:
+            os.environ[GPUS_ENV] = ",".join(listed)
+
+
+def auto_workers(config):
+    """``-n auto`` in the gpu profile: FLASHCHECK_WORKERS_PER_GPU workers on each GPU (None elsewhere)."""
+    from flashcheck.strategies import profiles
+
+    profile = config.getoption("hypothesis_profile", None) or profiles.default_profile()
+    listed = gpus() if str(profile).startswith("gpu") else []
+    return len(listed) * workers_per_gpu(len(listed)) if listed else None
+
+
+def share_cores(config):
+    """An xdist worker takes its share of the cores for the float64 truth on the host: eight
+    workers each running torch on every core spend their time switching, not computing. A thread
+    count the user set (OMP_NUM_THREADS) is left alone."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if not hasattr(config, "workerinput") or workers < 2 or os.environ.get("OMP_NUM_THREADS"):
+        return
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
+def steal_work(config, profile):
+    """``-n N`` in the gpu profile schedules with xdist's "worksteal": its tests last from a second to
+    minutes (a compile-per-shape kernel's feature properties), and "load", xdist's default, hands each
+    worker its share of the queue up front, so the run waits on whichever drew the slow ones. An idle
+    worker steals queued tests instead. A --dist given on the command line is kept."""
+    if profile != "gpu" or os.environ.get("PYTEST_XDIST_WORKER") or getattr(config.option, "dist", None) != "load":
+        return
+    if any(a == "-d" or a.startswith("--dist") for a in map(str, config.invocation_params.args)):
+        return
+    try:
+        from xdist.scheduler import WorkStealingScheduling  # noqa: F401  (pytest-xdist >= 3.2)
+    except ImportError:
+        return
+    config.option.dist = "worksteal"

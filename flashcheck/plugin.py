@@ -101,7 +101,9 @@ def pytest_configure(config):
     if not specs and checkout is None:
         config.flashcheck_idle = True  # a pytest run that is not about flashcheck, unless it finds nothing
         return
-    _pin_gpu(config)  # before anything in a worker initializes CUDA
+    from flashcheck import devices
+
+    devices.pin_workers(config)  # before anything in a worker initializes CUDA
     for line in MARKERS:
         config.addinivalue_line("markers", line)
     # Hypothesis imports libcst to write a patch for a failing example; its deprecations are noise here
@@ -112,7 +114,7 @@ def pytest_configure(config):
                                 f"({here}); run pip install -e . in the checkout")
     _switch_triton_interpreter()
     profile = _load_profile(config)
-    _steal_work(config, profile)
+    devices.steal_work(config, profile)
     if os.environ.get("FLASHCHECK_PROPERTY_SECONDS"):
         _seconds(os.environ["FLASHCHECK_PROPERTY_SECONDS"])  # a bad value stops the run before it starts
     from flashcheck.contract import ContractError, builtins, load
@@ -124,7 +126,7 @@ def pytest_configure(config):
     except ValueError as exc:
         raise pytest.UsageError(str(exc)) from exc
     timing.register(config, profile)
-    _share_cores(config)
+    devices.share_cores(config)
     try:
         impls = [load(s) for s in specs] if specs else builtins()
     except ContractError as exc:
@@ -167,22 +169,6 @@ def _switch_triton_interpreter():
 
     if "TRITON_INTERPRET" not in os.environ and not cuda_available():
         os.environ["TRITON_INTERPRET"] = "1"
-
-
-def _steal_work(config, profile):
-    """``-n N`` in the gpu profile schedules with xdist's "worksteal": its tests last from a second to
-    minutes (a compile-per-shape kernel's feature properties), and "load", xdist's default, hands each
-    worker its share of the queue up front, so the run waits on whichever drew the slow ones. An idle
-    worker steals queued tests instead. A --dist given on the command line is kept."""
-    if profile != "gpu" or os.environ.get("PYTEST_XDIST_WORKER") or getattr(config.option, "dist", None) != "load":
-        return
-    if any(a == "-d" or a.startswith("--dist") for a in map(str, config.invocation_params.args)):
-        return
-    try:
-        from xdist.scheduler import WorkStealingScheduling  # noqa: F401  (pytest-xdist >= 3.2)
-    except ImportError:
-        return
-    config.option.dist = "worksteal"
 
 
 def _load_profile(config):
@@ -335,41 +321,11 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip)
 
 
-def _pin_gpu(config):
-    """Several GPUs (flashcheck/devices.py): the xdist controller fixes the list of GPUs in the
-    environment, which its workers inherit, and each worker then sees only its own."""
-    from flashcheck import devices
-
-    worker = os.environ.get("PYTEST_XDIST_WORKER")
-    if worker is not None:
-        devices.pin(worker, devices._split(os.environ.get(devices.GPUS_ENV, "")))
-    elif config.getoption("numprocesses", None) and os.environ.get(devices.GPUS_ENV) is None:
-        listed = devices.gpus()
-        if listed:
-            os.environ[devices.GPUS_ENV] = ",".join(listed)
-
-
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_auto_num_workers(config):
-    """``-n auto`` in the gpu profile: FLASHCHECK_WORKERS_PER_GPU workers on each GPU."""
     from flashcheck import devices
-    from flashcheck.strategies import profiles
 
-    profile = config.getoption("hypothesis_profile", None) or profiles.default_profile()
-    listed = devices.gpus() if str(profile).startswith("gpu") else []
-    return len(listed) * devices.workers_per_gpu(len(listed)) if listed else None
-
-
-def _share_cores(config):
-    """An xdist worker takes its share of the cores for the float64 truth on the host: eight
-    workers each running torch on every core spend their time switching, not computing. A thread
-    count the user set (OMP_NUM_THREADS) is left alone."""
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
-    if not hasattr(config, "workerinput") or workers < 2 or os.environ.get("OMP_NUM_THREADS"):
-        return
-    import torch
-
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+    return devices.auto_workers(config)
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -95,7 +95,7 @@ def test_an_xdist_worker_takes_its_share_of_the_cores_unless_threads_were_set(mo
                                                                              expected):
     import torch
 
-    from flashcheck import plugin
+    from flashcheck import devices
 
     before = torch.get_num_threads()
     monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", workers)
@@ -106,7 +106,7 @@ def test_an_xdist_worker_takes_its_share_of_the_cores_unless_threads_were_set(mo
         monkeypatch.setenv("OMP_NUM_THREADS", preset)
     config = types.SimpleNamespace(**({"workerinput": {}} if worker else {}))
     try:
-        plugin._share_cores(config)
+        devices.share_cores(config)
         got = torch.get_num_threads()
     finally:
         torch.set_num_threads(before)
@@ -155,11 +155,11 @@ def test_a_run_given_a_log_runs_its_longest_test_first(tmp_path):
     ("gpu", (), "no", "no"),  # no workers
 ])
 def test_the_gpu_profile_lets_idle_workers_steal_queued_tests(profile, args, dist, expected, monkeypatch):
-    from flashcheck import plugin
+    from flashcheck import devices
 
     pytest.importorskip("xdist")
     monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
     config = types.SimpleNamespace(option=types.SimpleNamespace(dist=dist),
                                    invocation_params=types.SimpleNamespace(args=args))
-    plugin._steal_work(config, profile)
+    devices.steal_work(config, profile)
     assert config.option.dist == expected, f"expected --dist {expected} for {profile} {args}, got {config.option.dist}"
