@@ -138,9 +138,9 @@ def _lse_in_log2_units(case: Case) -> np.ndarray:
     k = np.repeat(k, case.hq // case.hkv, axis=1)
     log2e, ln2 = acc(np.log2(np.e)), acc(np.log(2))
     s2 = (acc(orc._parts(case).scale) * (q.astype(acc) @ np.swapaxes(k.astype(acc), -1, -2))) * log2e
-    sink2 = (case.sink_logits().astype(acc) * log2e).reshape(1, -1, 1, 1)
-    m = np.maximum(s2.max(-1, keepdims=True), sink2)
-    total = np.exp2(s2 - m).sum(-1, keepdims=True, dtype=acc) + np.exp2(sink2 - m)
+    sink2 = None if case.sinks is None else (case.sink_logits().astype(acc) * log2e).reshape(1, -1, 1, 1)
+    m = s2.max(-1, keepdims=True) if sink2 is None else np.maximum(s2.max(-1, keepdims=True), sink2)
+    total = np.exp2(s2 - m).sum(-1, keepdims=True, dtype=acc) + (0 if sink2 is None else np.exp2(sink2 - m))
     return ((m + np.log2(total)) * ln2)[..., 0].astype(np.float64)
 
 
@@ -151,3 +151,25 @@ def test_an_lse_in_log2_units_with_a_sink_that_holds_the_row_passes(dtype, sinks
     of 30 held the whole row: the sink's logit rounds (times log2 e, against the max) like a score's."""
     case = Case(batch=2, hq=2, sq=2, sk=10, d=2, dv=2, regime="equal", sinks=sinks, dtype=dtype)
     orc.compare(case, "lse", _lse_in_log2_units(case), who="log2-unit LSE")
+
+
+def _lse_kept_in_log2_units(case: Case) -> np.ndarray:
+    """The LSE as eager FlexAttention returns it: logsumexp in the accumulator, divided by ln 2 (it keeps
+    log2 units), multiplied by ln 2 again at the top level: two more roundings at the LSE's own size."""
+    acc = np.float64 if case.dtype == "float64" else np.float32
+    q, k, _, _ = case.inputs()
+    k = np.repeat(k, case.hq // case.hkv, axis=1)
+    s = acc(orc._parts(case).scale) * (q.astype(acc) @ np.swapaxes(k.astype(acc), -1, -2))
+    m = s.max(-1, keepdims=True)
+    lse = (m + np.log(np.exp(s - m).sum(-1, keepdims=True, dtype=acc)))[..., 0]
+    ln2 = acc(np.log(2))
+    return ((lse / ln2) * ln2).astype(np.float64)
+
+
+@pytest.mark.parametrize("emulate", [_lse_in_log2_units, _lse_kept_in_log2_units])
+def test_an_lse_in_log2_units_far_from_zero_passes(emulate):
+    """Pinned (CPU sweep, seed 6): flex-varlen's float32 LSE of -212 at 1.03x the bound. Through log2
+    units, a kernel rounds its LSE twice at the LSE's own size (m + log2(sum), or log2(e) times the
+    natural LSE, then times ln 2)."""
+    case = Case(hq=3, sq=15, sk=31, scale=0.3, dtype="float32", regime="negative", seed=1)
+    orc.compare(case, "lse", emulate(case), who="log2-unit LSE")
