@@ -6,7 +6,7 @@ same path a user's plug-in takes. The table printed at the end is README's mutan
 import pytest
 
 from flashcheck.contract import call
-from mutants import features, fixed_tiles, harness, kvcache, launch, masks, precision, races, strides, tiled, varlen
+from mutants import features, fixed_tiles, harness, kvcache, launch, masks, outputs, precision, races, strides, tiled, varlen
 
 try:
     from mutants import triton as triton_mutants
@@ -21,6 +21,7 @@ MUTANTS += [(f"mutants/fixed_tiles.py:{bug}", what) for bug, what in fixed_tiles
 MUTANTS += [(f"mutants/varlen.py:{bug}", what) for bug, what in varlen.BUGS.items()]
 MUTANTS += [(f"mutants/kvcache.py:{bug}", what) for bug, what in kvcache.BUGS.items()]
 MUTANTS += [(f"mutants/strides.py:{bug}", what) for bug, what in strides.BUGS.items()]
+MUTANTS += [(f"mutants/outputs.py:{bug}", what) for bug, what in outputs.BUGS.items()]
 MUTANTS += [(f"mutants/races.py:{bug}", what) for bug, what in races.BUGS.items()]
 MUTANTS += [(f"mutants/masks.py:{bug}", what) for bug, what in masks.BUGS.items()]
 if call.cuda_available():  # launch context: streams and graphs are CUDA's
@@ -38,7 +39,7 @@ SLOW_KILLS = {spec for spec, _ in PRECISION}
 # The mutants' own correct build is the false-alarm check CI runs; the built-ins pass the
 # main suite already, so repeating them here through the harness is opt-in (slow).
 CORRECT = ["mutants/tiled.py:correct", "mutants/features.py:correct", "mutants/fixed_tiles.py:correct",
-           "mutants/varlen.py:correct", "mutants/varlen.py:document_correct", "mutants/kvcache.py:correct", "mutants/strides.py:correct",
+           "mutants/varlen.py:correct", "mutants/varlen.py:document_correct", "mutants/kvcache.py:correct", "mutants/strides.py:correct", "mutants/outputs.py:correct",
            "mutants/masks.py:correct", *(["mutants/launch.py:correct"] if call.cuda_available() else []),
            pytest.param("mutants/precision.py:correct", id="precision-correct"),
            pytest.param("flashcheck.impls.numpy_ref:tiled_forward", marks=pytest.mark.slow),

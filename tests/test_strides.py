@@ -73,3 +73,26 @@ def test_fit_keeps_to_the_declared_layouts_and_to_contiguous_where_a_layout_buil
     assert fs.fit(load("torch-tiled"), Case(memory="padded")).memory == "padded"
     for name in ("torch-tiled-varlen", "numpy-tiled"):
         assert fs.fit(load(name), Case(memory="offset")).memory == "contiguous", f"{name} builds its own inputs"
+
+
+def test_out_goes_with_torch_kernels_of_the_dense_and_packed_layouts():
+    from flashcheck.contract import ContractError
+
+    def f(q, k, v, *, causal=False, scale=None, out=None):
+        return q
+
+    with pytest.raises(ContractError, match="out=True is checked for torch kernels"):
+        implementation(name="x", kvcache=True, out=True, register=False)(f)
+    with pytest.raises(ContractError, match="out=True is checked for torch kernels"):
+        implementation(name="x", framework="numpy", out=True, register=False)(f)
+
+
+def test_a_write_past_out_names_the_side_and_how_far():
+    """The guard bands around out=: the message says which side changed and how near to out=."""
+    impl = load("mutants/outputs.py:writes_one_row_past_out")
+    case = Case(hq=2, sq=5, sk=7, d=4, dv=3, dtype="float32")
+    with pytest.raises(AssertionError, match=r"wrote past its output: 3 of the 64 elements after out= changed, "
+                                             r"the nearest 1 element\(s\) after it"):
+        call.run(impl, case, *case.inputs()[:3])
+    good = call.run(load("mutants/outputs.py:correct"), case, *case.inputs()[:3])
+    assert good.o.shape == (1, 2, 5, 3)

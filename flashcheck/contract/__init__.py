@@ -98,6 +98,10 @@ class Implementation:
     paged: bool = False  # with kvcache: k_cache (num_blocks, Hkv, page_size, D) and block_table=
     page_sizes: tuple[int, ...] | None = None  # with paged: the page sizes it takes (None: any)
     splits: bool = False  # with kvcache: takes num_splits= (split-KV); the result must not depend on it
+    # takes an optional out= (None: it allocates O itself): the O tensor to write into (the shape and dtype it
+    # returns), handed over as a view inside a buffer with guard bands on both sides; nothing past it may
+    # change, and out is what comes back
+    out: bool = False
 
     def __post_init__(self):
         _validate(self)
@@ -244,8 +248,11 @@ def _validate(i: Implementation) -> None:
             raise ContractError(f"implementation {name!r}: {tensor}=True is a dense-layout feature: attn_{tensor} is "
                                 "(B or 1, Hq or 1, Sq, Sk); declare it on the dense kernel, not with varlen or kvcache")
     for flag in ("causal_only", "scale_arg", "deterministic", "cuda_graphs", "compile", "varlen", "kvcache",
-                 "kv_append", "paged", "splits", "isolates_nan"):
+                 "kv_append", "paged", "splits", "isolates_nan", "out"):
         put(flag, bool(getattr(i, flag)))
+    if i.out and (i.kvcache or i.framework != "torch"):
+        raise ContractError(f"implementation {name!r}: out=True is checked for torch kernels of the dense and "
+                            "packed layouts (not kvcache, not numpy)")
     if not i.isolates_nan and not i.varlen:
         raise ContractError(f"implementation {i.name!r}: isolates_nan=False speaks of other sequences of a packed "
                             "batch: it goes with varlen=True")

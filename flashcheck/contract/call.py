@@ -197,6 +197,9 @@ def run_torch(impl, case, q, k, v, do, *, device, path, shapes, layout_kw=None) 
     for x in (sinks, bias):
         if x is not None:
             x.requires_grad_(grad)
+    guarded = _guarded_out(torch, shapes["o"][0], dt, device) if impl.out else None
+    if guarded is not None:
+        kw["out"] = guarded[1]
     with _grad_mode(path), _fresh(torch, device):
         try:
             out = _call(impl, case, qt, kt, vt, **kw)
@@ -208,6 +211,8 @@ def run_torch(impl, case, q, k, v, do, *, device, path, shapes, layout_kw=None) 
             raise
     o, lse = _split(impl, out, impl.name)
     _check_returned(impl, shapes, o, lse)
+    if guarded is not None:
+        _check_out(impl, *guarded, o)
     res = Result(_np(o), None if lse is None else _np(lse), dtype=str(o.dtype).removeprefix("torch."),
                  lse_dtype="" if lse is None else str(lse.dtype).removeprefix("torch."))
     if do is not None:
@@ -221,6 +226,35 @@ def run_torch(impl, case, q, k, v, do, *, device, path, shapes, layout_kw=None) 
             res.dbias = _np(bias.grad) if bias.grad is not None else np.zeros(bias.shape)
     res.inputs_after = tuple(_np(x) for x in (qt, kt, vt))
     return res
+
+
+# out=: the view handed to the kernel lies between two guard bands of a sentinel, exact in every
+# dtype and not a value attention computes by chance; a kernel that writes past its output changes them.
+GUARD, SENTINEL = 64, -7776.0
+
+
+def _guarded_out(torch, shape, dtype, device):
+    """(buffer, out): ``out`` of ``shape`` inside ``buffer``, GUARD sentinels on each side."""
+    n = int(np.prod(shape))
+    buf = torch.full((GUARD + n + GUARD,), SENTINEL, dtype=dtype, device=device)
+    return buf, buf[GUARD:GUARD + n].view(shape)
+
+
+def _check_out(impl, buf, out, o):
+    """Nothing past out= changed, and out= is what came back."""
+    n = out.numel()
+    for side, band in (("before", buf[:GUARD]), ("after", buf[GUARD + n:])):
+        changed = band != SENTINEL
+        if changed.any():
+            at = changed.nonzero().flatten()
+            nearest = int(at[0]) + 1 if side == "after" else GUARD - int(at[-1])  # 1: right next to out=
+            raise AssertionError(
+                f"{impl.name} wrote past its output: {int(changed.sum())} of the {GUARD} elements {side} out= "
+                f"changed, the nearest {nearest} element(s) {side} it (out= lies in one buffer between guard "
+                f"bands of {SENTINEL})")
+    if o.data_ptr() != out.data_ptr() or o.shape != out.shape:
+        raise ContractViolation(f"{impl.name} declares out=True and was given out=, but returned another tensor "
+                                f"(shape {tuple(o.shape)}): a kernel that takes out= writes O there and returns it")
 
 
 def _layout_refused(impl, case, arrays, device, dtype, kw) -> bool:
