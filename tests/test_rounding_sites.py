@@ -24,6 +24,7 @@ VARIANTS = [
     ("k*scale*log2e rounded to t, exp2", Sites(prescaled="k"), False),
     ("dS rounded after the scale", Sites(ds_scaled=True), False),
     ("each head's dK, dV rounded, then the group summed", Sites(heads_rounded=True), False),
+    ("exp2 softmax, the LSE kept in log2 units", Sites(exp2=True), False),
     ("TF32 to nearest", Sites(), True),
     ("TF32 by truncation", Sites(tf32_truncate=True), True),
     ("TF32 truncated, P normalized first (XLA)", Sites(tf32_truncate=True, p_normalized=True), True),

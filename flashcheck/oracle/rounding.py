@@ -16,6 +16,7 @@ each one, either always or under a declared precision:
 |---|---|
 | dS rounded after it is multiplied by the scale | always |
 | with GQA, each query head's dK and dV rounded to the input type, then summed over the group (FlashAttention-2, SDPA flash) | always |
+| an exp2 softmax: scores times log2(e), the max and the LSE in log2 units, times ln 2 at the end (FlashAttention, FlexAttention) | always |
 | TF32 operands rounded to nearest (JAX Pallas) or by truncation (Triton's dots on an H200) | "tf32" |
 | P divided by its row sum before it is rounded, dP rounded to the input type (dense attention with a float32 softmax and its autodiff: XLA) | "dense" |
 | q * scale, or k * scale * log2(e), rounded to the input type before QK^T (Triton's tutorial) | "prescaled" |
@@ -107,6 +108,7 @@ class Sites:
     prescaled: str | None = None  # "q": q * scale rounded to t; "k": k * scale * log2(e), base-2 softmax
     ds_scaled: bool = False  # dS * scale rounded, not dS
     heads_rounded: bool = False  # GQA: each query head's dK, dV rounded to t before the group's sum
+    exp2: bool = False  # scores times log2(e) in the accumulator, exp2, the LSE kept in log2 units (times ln 2 at the end)
 
     def admitted_by(self, dtype: str) -> str:
         """The smallest precision whose rule admits these sites for inputs of ``dtype``."""
@@ -146,6 +148,9 @@ def fused(q, k, v, do, visible, scale: float, pr: Precision, sites: Sites = Site
     elif sites.prescaled == "k":
         base, ks = acc(np.log(2.0)), op(rt(k0 * (sc * acc(LOG2E))))
         s = qg @ np.swapaxes(ks, -1, -2)  # base-2 logits
+    elif sites.exp2:  # FlashAttention's, Triton's tutorial's and FlexAttention's softmax
+        base = acc(np.log(2.0))
+        s = ((qg @ np.swapaxes(kg, -1, -2)) * sc) * acc(LOG2E)
     else:
         s = (qg @ np.swapaxes(kg, -1, -2)) * sc
     s = np.where(visible, s, -np.inf).astype(acc)
@@ -187,6 +192,6 @@ def fused(q, k, v, do, visible, scale: float, pr: Precision, sites: Sites = Site
     else:
         dk = group((np.swapaxes(rp(ds), -1, -2) @ q_for_dk) * k_sc)
     out = lambda x: round_to(x, pr.out_fmt).astype(np.float64)  # noqa: E731
-    lse = lse_b.astype(np.float64) * float(base)
+    lse = (lse_b * base).astype(np.float64)  # back from log2 units in the accumulator, as a kernel does
     return {"o": out(o_t.reshape(b, hq, sq, -1)), "lse": lse.reshape(b, hq, sq),
             "dq": out(dq.reshape(q.shape)), "dk": out(dk), "dv": out(dv)}
