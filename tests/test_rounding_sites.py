@@ -66,7 +66,15 @@ def test_every_rounding_site_passes_under_the_declaration_that_admits_it(dtype):
                 assert_admitted(case, sites, tf32, what)
 
 
-LONG = {"fused", "P normalized first", "dP rounded to t", "TF32 truncated, P normalized first (XLA)", "every site"}
+LONG = {"fused", "P normalized first", "dP rounded to t", "TF32 truncated, P normalized first (XLA)", "every site",
+        "exp2 softmax, the LSE kept in log2 units"}
+
+
+def test_an_exp2_softmax_passes_in_float64():
+    """float64 kernels (FlexAttention's CPU path) keep the LSE in log2 units too, at float64's unit."""
+    for regime in REGIMES:
+        for case in op.draw_cases("float64", regime, 3, long=False):
+            assert_admitted(case, Sites(exp2=True), False, "exp2 softmax, the LSE kept in log2 units")
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
