@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from flashcheck import oracle as orc
-from flashcheck.oracle.rounding import SITES, Precision, Sites, fused
+from flashcheck.oracle import rounding
+from flashcheck.oracle.rounding import SITES, Precision, Sites, fused, round_to
 from tests import oracle_power as op
 from flashcheck.strategies import REGIMES, AttentionCase as Case
 
@@ -182,3 +183,75 @@ def test_an_lse_in_log2_units_far_from_zero_passes(emulate):
     natural LSE, then times ln 2)."""
     case = Case(hq=3, sq=15, sk=31, scale=0.3, dtype="float32", regime="negative", seed=1)
     orc.compare(case, "lse", emulate(case), who="log2-unit LSE")
+
+
+def _fused_with_features(case: Case, exp2: bool) -> dict:
+    """A correct fused kernel with the case's features, rounded where one rounds: the scores, the softcap,
+    ALiBi's term and the bias in the accumulator (times log2 e for an exp2 softmax), a sink as one more
+    logit of the row, P rounded to t before P V and dS before its products, O and the gradients to t."""
+    t = case.dtype
+    acc = np.float64 if t == "float64" else np.float32
+    rp = (lambda x: x.astype(acc)) if t in ("float64", "float32") else (lambda x: round_to(x, t).astype(acc))
+    q, k, v, do = (x.astype(acc) for x in case.inputs())
+    g = case.hq // case.hkv
+    k, v = np.repeat(k, g, axis=1), np.repeat(v, g, axis=1)
+    sc = acc(orc._parts(case).scale)
+    s = (q @ np.swapaxes(k, -1, -2)) * sc
+    cap = acc(case.softcap) if case.softcap else None
+    if cap is not None:
+        th = np.tanh(s / cap)
+        s = cap * th
+    if case.alibi is not None:
+        slopes = case.alibi_slopes().astype(acc).reshape(-1 if np.ndim(case.alibi[0]) else 1, case.hq, 1, 1)
+        dist = np.abs(np.arange(case.sq)[:, None] + case.sk - case.sq - np.arange(case.sk)[None, :]).astype(acc)
+        s = s - slopes * dist
+    if case.bias is not None:
+        bias = case.bias_argument().astype(acc)
+        s = s + np.where(np.isfinite(bias), bias, acc(0))
+    vis = case.visible()
+    s = np.where(vis, s, -np.inf).astype(acc)
+    base = acc(np.log(2.0)) if exp2 else acc(1.0)
+    if exp2:
+        s = s * acc(rounding.LOG2E)
+    sink = None if case.sinks is None else case.sink_logits().astype(acc).reshape(1, -1, 1, 1)
+    if sink is not None and exp2:
+        sink = sink * acc(rounding.LOG2E)
+    exp = np.exp2 if exp2 else np.exp
+    m = s.max(-1, keepdims=True) if sink is None else np.maximum(s.max(-1, keepdims=True), sink)
+    m = np.where(np.isfinite(m), m, acc(0)).astype(acc)
+    with np.errstate(invalid="ignore", over="ignore"):
+        p = exp(s - m)
+        l = p.sum(-1, keepdims=True, dtype=acc) + (acc(0) if sink is None else exp(sink - m))
+        o = np.divide(rp(p) @ v, l, out=np.zeros(p.shape[:-1] + (v.shape[-1],), acc), where=l > 0)
+        lse = np.where(l > 0, m + np.log(np.where(l > 0, l, 1)) / base, -np.inf).astype(acc)
+        o_t = round_to(o, t).astype(acc)
+        p = exp(s - np.where(np.isfinite(lse), lse, np.inf))
+    dv = (np.swapaxes(rp(p), -1, -2) @ do).reshape(case.batch, case.hkv, g, case.sk, -1).sum(2, dtype=acc)
+    ds = p * (do @ np.swapaxes(v, -1, -2) - (do * o_t).sum(-1, keepdims=True, dtype=acc))
+    if cap is not None:
+        ds = ds * (1 - th * th)
+    dq = (rp(ds) @ k) * sc
+    dk = ((np.swapaxes(rp(ds), -1, -2) @ q) * sc).reshape(case.batch, case.hkv, g, case.sk, -1).sum(2, dtype=acc)
+    out = lambda x: round_to(x, t).astype(np.float64)  # noqa: E731
+    return {"o": out(o_t), "lse": (lse[..., 0] * base).astype(np.float64), "dq": out(dq), "dk": out(dk),
+            "dv": out(dv)}
+
+
+FEATURES = [dict(softcap=3.0), dict(softcap=0.5), dict(alibi=(0.5, -0.25)), dict(alibi=(1.875, 0.0625)),
+            dict(bias=("normal", True, True, 3.0, 1)), dict(bias=("ninf", False, True, 0.5, 2)),
+            dict(sinks=(0.5, 30.0)), dict(sinks=(-1e999, 3.0)), dict(window=(3, 1)),
+            dict(softcap=2.0, alibi=(0.5, 0.25), sinks=(1.0, -2.0), window=(5, -1))]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+@pytest.mark.parametrize("exp2", [False, True], ids=["exp", "exp2"])
+def test_a_fused_kernel_with_features_passes_in_every_regime(dtype, exp2):
+    """The feature bounds against an emulated fused kernel with each feature (and a combination), in
+    every logit regime, with an exp or an exp2 softmax: no false alarm where a feature rounds."""
+    for regime in REGIMES:
+        for i, feats in enumerate(FEATURES):
+            case = Case(batch=2, hq=2, hkv=1 + i % 2, sq=13 + i, sk=21 - i, d=8, dv=8, causal=("bottom_right", None)[i % 2],
+                        dtype=dtype, regime=regime, seed=i, **feats)
+            got = _fused_with_features(case, exp2)
+            for name in orc.RESULTS:
+                orc.compare(case, name, got[name], who=f"fused{' exp2' if exp2 else ''} with {feats}")
