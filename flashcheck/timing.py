@@ -247,7 +247,8 @@ def longest_first(items: list, path: str) -> None:
     runs beside the many short ones instead. The sort is stable, and input-validation properties
     stay after the numeric ones."""
     try:
-        lines = open(path).read().splitlines()
+        with open(path) as f:
+            lines = f.read().splitlines()
     except OSError as exc:
         raise pytest.UsageError(f"{ORDER_ENV}={path!r}: cannot read that timing log ({exc})") from None
     wall = {}
