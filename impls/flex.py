@@ -7,9 +7,9 @@ Eager on CPU (an unfused reference path: it materializes the scores, forward onl
 CPU backward for FlexAttention), torch.compile'd on CUDA (fused kernels, forward and backward).
 
 What FlexAttention cannot express is not declared: dropout (a score_mod has no random numbers).
-Sinks are not a FlexAttention feature; they are added exactly from the returned LSE,
-O' = O exp(LSE - LSE'), LSE' = logaddexp(LSE, sink), which needs gradients through the LSE,
-so they are declared where there is no backward to trust that path to (CPU).
+Sinks are not a FlexAttention feature; they join as one more key whose score is the sink's logit
+and whose value is 0 (``_run``). Their gradient would come through a captured tensor of the
+score_mod, not yet checked on CUDA, so they are declared where there is no backward (CPU).
 
 Compiled means compiled for every call (``Compiled``): dynamo's defaults would run eager flex,
 silently, once one function has been recompiled 8 times, and a suite that draws hundreds of
