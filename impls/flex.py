@@ -15,10 +15,12 @@ Compiled means compiled for every call (``Compiled``): dynamo's defaults would r
 silently, once one function has been recompiled 8 times, and a suite that draws hundreds of
 shapes and feature combinations passes that in minutes. So every number the mask_mod and
 score_mod capture is a tensor (a Python int is a guard: one graph per value; a Python float
-under dynamic shapes, a symbolic input inductor cannot lower), shapes are dynamic (a graph per
-feature combination, dtype and head grouping; static only where the known issue below lives, and
-everywhere with FLASHCHECK_FLEX_STATIC=1), the recompile limits are raised, and a call that ran no
-compiled graph raises ``RanEager`` instead of returning.
+under dynamic shapes, a symbolic input inductor cannot lower), lengths are dynamic, batch and heads
+are padded to multiples of 4 (``PAD``), one score_mod and one band mask_mod serve every combination of
+the causal mask, window, softcap and ALiBi (a graph per dtype, head dim, group size, and mask or bias
+tensor; static only where the known issue below lives, and everywhere with FLASHCHECK_FLEX_STATIC=1),
+the recompile limits are raised, and a call that ran no compiled graph raises ``RanEager`` instead of
+returning.
 Eager FlexAttention on CPU is deliberate: inductor's CPU FlexAttention (torch 2.13) returns no LSE
 and has no backward ("torch.compile on CPU only supports inference and `return_lse` is not
 supported yet"), and its first compile takes about a minute on a 2-core machine.
@@ -126,21 +128,23 @@ def _compiled(dynamic=False):
 
 
 def _mask_mod(sq, sk, align, window, device, attn_mask=None):
-    # The offsets are tensors: a captured Python int is a guard on its value, i.e. one compiled
-    # graph per (Sq, Sk) and window, where a captured tensor is one more input of the same graph.
-    off, diag, left, right = (torch.tensor(n, dtype=torch.int32, device=device)
-                              for n in (offset(sq, sk, align), sk - sq, *window))
-    left_on, right_on = window[0] >= 0, window[1] >= 0  # which sides bound: the graph's structure
+    # One structure for every alignment and window: the keys row i sees are one band lo[i]..hi[i], two
+    # captured tensors. (A Python int captured is a guard on its value, a branch on the window's sides a
+    # graph of its own: each compiled graph costs seconds, each band here one more input of the same one.)
+    i = torch.arange(sq)
+    diag = i + sk - sq  # the bottom-right diagonal
+    lo, hi = torch.zeros(sq, dtype=torch.int64), torch.full((sq,), sk - 1)
+    if align is not None:
+        hi = torch.minimum(hi, i + offset(sq, sk, align))
+    if window[0] >= 0:
+        lo = torch.maximum(lo, diag - window[0])
+    if window[1] >= 0:
+        hi = torch.minimum(hi, diag + window[1])
+    lo, hi = (x.to(device=device, dtype=torch.int32) for x in (lo, hi))
 
     def mask(b, h, i, j):
-        seen = j >= 0  # a tensor of True, whatever the mask below adds
-        if align is not None:
-            seen = seen & (j <= i + off)
-        if left_on:
-            seen = seen & (j >= i + diag - left)
-        if right_on:
-            seen = seen & (j <= i + diag + right)
-        if attn_mask is not None:  # (B, Hq, Sq, Sk), broadcast dims expanded with stride 0
+        seen = (j >= lo[i]) & (j <= hi[i])
+        if attn_mask is not None:  # (B, Hq, Sq, Sk), contiguous (a stride pattern is a guard too)
             seen = seen & attn_mask[b, h, i, j]
         return seen
 
@@ -154,10 +158,11 @@ def _score_mod(sq, sk, scale, softcap, slopes, device, dtype, bias=None):
     # here, to the same float32 product of q and k its kernel would scale. The softcap is a tensor
     # too: under dynamic shapes a captured float is a symbolic input inductor's lowering rejects
     # (torch 2.13: "LoweringException: unbacked_bindings"); the ALiBi distance's offset is one for
-    # the reason in _mask_mod.
+    # the reason in _mask_mod. The softcap is always in the graph and ALiBi too where ``slopes`` are
+    # given (attention() passes zeros when it is off): one structure for every combination of them.
     diag = None if slopes is None else torch.tensor(sk - sq, dtype=torch.int32, device=device)
     alibi = None if slopes is None else (lambda b, h, i, j: slopes[b, h] * (i + diag - j).abs())
-    return _scores(scale, softcap, device, dtype, alibi, bias)
+    return _scores(scale, softcap, device, dtype, alibi, bias, always_capped=True)
 
 
 def _scores(scale, softcap, device, dtype, alibi=None, bias=None, always_capped=False):
@@ -252,23 +257,66 @@ def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0
     align = alignment(causal)
     window = check_features(q, who=WHO, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
                             sinks=sinks, attn_mask=attn_mask, sk=sk, attn_bias=attn_bias) or (-1, -1)
-    if attn_mask is not None:  # the block mask then varies by batch entry and head
-        mask, mask_bh = _mask_mod(sq, sk, align, window, q.device, attn_mask.expand(b, hq, sq, sk)), (b, hq)
-    elif align is not None or window != (-1, -1):
-        mask, mask_bh = _mask_mod(sq, sk, align, window, q.device), (None, None)
-    else:
-        mask, mask_bh = None, None
     cdt = _compute_dtype(q)
-    slopes = None if alibi_slopes is None else alibi_slopes.to(cdt).expand(b, hq)
-    # The bias joins the score_mod as a captured tensor, broadcast dims expanded with stride 0. Compiled
-    # (CUDA), flex differentiates a captured tensor that requires grad (torch >= 2.5), and autograd sums
-    # expand's broadcast dims back (attn_bias.grad: test_gradients_match_analytic_float64_with_features;
-    # a short gpu-profile run of it passed on an H200, torch 2.11).
-    bias = None if attn_bias is None else attn_bias.to(cdt).expand(b, hq, sq, sk)
+    # ALiBi always in the score_mod (slopes of 0 when off, s - 0 |i - j| = s bit for bit); the mask and
+    # bias tensors contiguous: a stride pattern (a broadcast dim expanded with stride 0) is a guard too.
+    slopes = torch.zeros(b, hq, dtype=cdt, device=q.device) if alibi_slopes is None else alibi_slopes.to(cdt)
+    slopes = slopes.expand(b, hq).contiguous()
+    # The bias joins the score_mod as a captured tensor. Compiled (CUDA), flex differentiates a captured
+    # tensor that requires grad (torch >= 2.5), and autograd sums expand's broadcast dims back
+    # (attn_bias.grad: test_gradients_match_analytic_float64_with_features, run on an H200, torch 2.11).
+    bias = None if attn_bias is None else attn_bias.to(cdt).expand(b, hq, sq, sk).contiguous()
+    attn_mask = None if attn_mask is None else attn_mask.expand(b, hq, sq, sk).contiguous()
+    masked = attn_mask is not None or align is not None or window != (-1, -1)
+    dynamic = os.environ.get("FLASHCHECK_FLEX_STATIC") != "1" and not _no_valid_choices(hq, hkv, sq, masked)
+    # A block mask even where nothing is masked (a band of every key), as a graph without one is a graph
+    # of its own; but not where GQA_NO_VALID_CHOICES would make one fail to compile.
+    masked = masked or not _no_valid_choices(hq, hkv, sq, True)
+    if PAD:  # every (B, H) table the mods index grows with q's batch and heads
+        q, k, v = _padded_heads(q, k, v)
+        slopes, bias, attn_mask = (None if x is None else _pad(x, *q.shape[:2], fill)
+                                   for x, fill in ((slopes, 0.0), (bias, 0.0), (attn_mask, True)))
+        sinks = None if sinks is None else _pad(sinks[None], 1, q.shape[1], 0.0)[0]
+    if attn_mask is not None:  # the block mask then varies by batch entry and head
+        mask, mask_bh = _mask_mod(sq, sk, align, window, q.device, attn_mask), tuple(q.shape[:2])
+    else:
+        mask, mask_bh = (_mask_mod(sq, sk, align, window, q.device) if masked else None), (None, None)
     scale = d ** -0.5 if scale is None else float(scale)
-    dynamic = os.environ.get("FLASHCHECK_FLEX_STATIC") != "1" and not _no_valid_choices(hq, hkv, sq, mask is not None)
-    return _run(q, k, v, _score_mod(sq, sk, scale, float(softcap), slopes, q.device, cdt, bias), mask, mask_bh, sinks,
-                dynamic=dynamic)
+    o, lse = _run(q, k, v, _score_mod(sq, sk, scale, float(softcap), slopes, q.device, cdt, bias), mask, mask_bh,
+                  sinks, dynamic=dynamic)
+    return o[:b, :hq], lse[:b, :hq]
+
+
+# Compiled FlexAttention is a graph per batch size, head count and head dim: flex_attention marks the
+# heads and head dims static, and dynamo specializes the batch. The suite's pins and buckets meet
+# dozens of (B, Hq, Hkv) and each graph compiles for 3-10 s (20-40 s while seven other workers compile
+# too), so where compiled, q, k and v run padded to multiples of 4 along batch and kv heads (query
+# heads: kv heads times the group): the padding is zeros whose outputs are dropped, every real (b, h)
+# is computed as it would be alone (flex's programs are per batch entry, head and query block), and
+# gradients reach the real inputs through the slices unchanged. What this gives up: a flex bug at one
+# particular batch or head count (FLASHCHECK_FLEX_STATIC=1 runs the shapes as drawn).
+PAD = _CUDA and os.environ.get("FLASHCHECK_FLEX_STATIC") != "1"
+
+
+def _multiple_of_4(n: int) -> int:
+    return -(-n // 4) * 4
+
+
+def _pad(x, b, h, fill):
+    """x (B, H, ...) grown to (b, h, ...) with ``fill``; differentiable (a copy into a slice)."""
+    if tuple(x.shape[:2]) == (b, h):
+        return x
+    out = x.new_full((b, h, *x.shape[2:]), fill)
+    out[:x.shape[0], :x.shape[1]] = x
+    return out
+
+
+def _padded_heads(q, k, v, batch=True):
+    """q, k, v padded along batch (where ``batch``) and kv heads to multiples of 4, query heads to those
+    times the group: the padded query heads sit on padded kv heads (enable_gqa's head h // G)."""
+    b = _multiple_of_4(q.shape[0]) if batch else q.shape[0]
+    hkv, g = _multiple_of_4(k.shape[1]), q.shape[1] // k.shape[1]
+    return _pad(q, b, hkv * g, 0.0), _pad(k, b, hkv, 0.0), _pad(v, b, hkv, 0.0)
 
 
 # Eager FlexAttention costs ~0.1 s a call on CPU: its full property run is opt-in there ("slow",

@@ -9,7 +9,8 @@ import torch
 
 from flashcheck.contract import implementation
 from flashcheck.contract.checks import alignment, check_features, check_varlen
-from flashcheck.impls.flex import _CUDA, DTYPES, _check_tensors, _compute_dtype, _run, _scores
+from flashcheck.impls import flex
+from flashcheck.impls.flex import _CUDA, DTYPES, _check_tensors, _compute_dtype, _pad, _padded_heads, _run, _scores
 
 VARLEN = "flex-varlen"
 
@@ -90,10 +91,15 @@ def varlen_attention(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
         # (the issue's own per-case predicate cannot see Tq); without GQA it compiles, so the kv heads
         # are repeated there (exact: their gradients sum back through repeat_interleave)
         k1, v1 = (x.repeat_interleave(g, dim=1) for x in (k1, v1))
+    if flex.PAD:  # heads padded to a multiple of 4 where compiled, as impls/flex.py says why
+        q1, k1, v1 = _padded_heads(q1, k1, v1, batch=False)
+        per_token = _pad(per_token.T, q1.shape[1], per_token.shape[0], 0.0).T
+        sinks = None if sinks is None else _pad(sinks[None], 1, q1.shape[1], 0.0)[0]
     # Dynamic shapes: Tq and Tk change with every batch drawn (one static graph per batch spent ~800 s
     # of compiling in one gpu lane on an H200).
     o, lse = _run(q1, k1, v1, _scores(scale, float(softcap), q.device, cdt, alibi, always_capped=True), band,
                   (None, None), sinks, dynamic=True)
+    o, lse = o[:, :hq], lse[:, :hq]
     if sinks is not None:  # a sequence without keys has no softmax for its sink to join (the contract's -inf)
         lse = lse.masked_fill(keyless, float("-inf"))
     return o[0].transpose(0, 1), lse[0]

@@ -21,12 +21,15 @@ from flashcheck.strategies.features import feature_fields, fit_features
 
 # How large cases get, by Hypothesis profile; "default" also covers unknown profiles.
 # race_batch and repeats: the race property's batch and calls per input (FlashAttention's own race
-# test repeats 250 times at batch 60; the host's float64 truth is computed once per case)
+# test repeats 250 times at batch 60; the host's float64 truth is computed once per case); race_seq: its
+# longest Sq and Sk. A race needs many programs in flight, which batch x heads gives; at batch 60 and
+# 300 tokens the host's truth and bounds took 160 s of one gpu-lane worker for a single case.
 LIMITS = {
-    "default": dict(batch=2, heads=3, seq=40, dim=48, long=2048, race_batch=4, repeats=3),
-    "ci": dict(batch=2, heads=3, seq=40, dim=48, long=2048, race_batch=4, repeats=2),
-    "thorough": dict(batch=3, heads=4, seq=96, dim=96, long=4096, race_batch=16, repeats=10),
-    "gpu": dict(batch=3, heads=4, seq=300, dim=256, long=2048, race_batch=60, repeats=20),  # the truth runs on the host
+    "default": dict(batch=2, heads=3, seq=40, dim=48, long=2048, race_batch=4, race_seq=40, repeats=3),
+    "ci": dict(batch=2, heads=3, seq=40, dim=48, long=2048, race_batch=4, race_seq=40, repeats=2),
+    "thorough": dict(batch=3, heads=4, seq=96, dim=96, long=4096, race_batch=16, race_seq=96, repeats=10),
+    # the truth runs on the host
+    "gpu": dict(batch=3, heads=4, seq=300, dim=256, long=2048, race_batch=60, race_seq=130, repeats=20),
 }
 PROFILE_DTYPES = {  # the gpu lane's: no float64 on the device
     "gpu": ("float16", "bfloat16", "float32"),

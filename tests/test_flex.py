@@ -124,6 +124,46 @@ def test_compiled_flex_compiles_for_dynamic_shapes_except_where_its_known_issue_
     assert guards[False].runs == 2, "expected FLASHCHECK_FLEX_STATIC=1 to compile statically"
 
 
+def test_every_alignment_window_softcap_alibi_batch_and_head_count_shares_one_graph(monkeypatch):
+    """Where compiled, flex pads batch and kv heads to multiples of 4 (flex_attention marks heads static,
+    dynamo specializes the batch) and keeps one score_mod and one band mask_mod for every combination of
+    these features: one graph for all of them, where there was a graph per combination and shape. (The
+    group size Hq / Hkv stays a graph of its own, as do the dtype and head dim.)"""
+    if flex._CUDA:
+        pytest.skip("on CUDA every flex property runs through the guard, compiled by inductor")
+    guard = flex.Compiled(flex.flex_attention, backend="eager", dynamic=True)
+    monkeypatch.setattr(flex, "_runner", lambda q, dynamic=False: guard)
+    monkeypatch.setattr(flex, "PAD", True)
+    impl = flex.attention.__flashcheck__
+    cases = [Case(sq=5, sk=6, d=4, dv=4, dtype="float32"), Case(batch=2, hq=3, hkv=3, sq=9, sk=4, d=4, dv=4, causal="top_left",
+                                                                 dtype="float32"),
+             Case(batch=3, hq=2, hkv=2, sq=7, sk=7, d=4, dv=4, causal="bottom_right", window=(2, -1),
+                  dtype="float32"),
+             Case(hq=4, hkv=4, sq=6, sk=9, d=4, dv=4, window=(-1, 1), softcap=2.0, dtype="float32"),
+             Case(batch=2, hq=2, hkv=2, sq=4, sk=5, d=4, dv=4, causal="bottom_right", alibi=(0.5, 0.25), softcap=5.0,
+                  dtype="float32")]
+    for case in cases:
+        case = fs.fit(impl, case)
+        orc.compare(case, "o", ph.forward(impl, case).o, who="compiled flex")
+        orc.compare(case, "lse", ph.forward(impl, case).lse, who="compiled flex")
+    assert guard.compiles == 1, f"expected one graph for {len(cases)} feature combinations, got {guard.compiles}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "+".join(c.features) or "plain")
+def test_padding_batch_and_heads_changes_no_bit_of_the_real_ones(case, monkeypatch):
+    impl = flex.attention.__flashcheck__
+    case = fs.fit(impl, case)
+    results = []
+    for pad in (False, True):
+        monkeypatch.setattr(flex, "PAD", pad)
+        results.append(ph.forward(impl, case))
+    for name in ("o", "lse"):
+        plain, padded = (getattr(r, name) for r in results)
+        assert np.array_equal(plain, padded, equal_nan=True), (
+            f"expected {name} unchanged by padding, largest difference {np.nanmax(np.abs(plain - padded))}\n  "
+            f"case: {case!r}")
+
+
 def test_a_call_that_runs_no_compiled_graph_raises_instead_of_returning_eager_results():
     guard = flex.Compiled(lambda x: x + 1, backend="eager")
     assert guard(torch.ones(3)).tolist() == [2.0] * 3 and guard.runs == 1
