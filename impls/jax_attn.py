@@ -307,7 +307,8 @@ if _CUDA:
         failure=r"off by more than allowed|nan")
     pallas_attention = _register(
         "jax-pallas", _pallas, devices=("cuda",), dtypes=("float32", "float16", "bfloat16"), gqa=False, lse=True,
-        head_dims=(1, 256), precision="tf32", supports=_pallas_supports,  # fp32 dots: TF32, to nearest
+        # fp32 dots: TF32, to nearest; D = rowsum(dO * O) from fp16 products, rounded to fp16 (docs/oracle.md)
+        head_dims=(1, 256), precision="tf32+delta", supports=_pallas_supports,
         known_issues=[PALLAS_CAUSAL_SQ_GT_SK, PALLAS_SMALL])
 else:
     why = ("a CUDA kernel; this machine has no CUDA" if not torch.cuda.is_available()

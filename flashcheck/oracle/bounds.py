@@ -90,6 +90,7 @@ class Units:
     t: float  # the output type's, for half types
     dp: float  # "dense": dP rounded to t
     pre: float  # "prescaled": q*scale or k*scale*log2 e rounded to t
+    d: float  # "delta": D's products and D itself rounded to t
     sub: float  # P and dS lose their subnormals absolutely
 
     @classmethod
@@ -100,7 +101,7 @@ class Units:
         return cls(acc=u_acc, p=UNIT[pr.p_fmt] if pr.p_fmt != pr.acc else 0.0,
                    inp=UNIT[pr.operand_fmt] if pr.operand_fmt != pr.acc else 0.0,
                    tr=UNIT["tf32"] if pr.truncate else 0.0, t=u_t, dp=u_t if pr.p_normalized else 0.0,
-                   pre=(u_t or u_acc) if pr.prescaled else 0.0,
+                   pre=(u_t or u_acc) if pr.prescaled else 0.0, d=u_t if pr.delta else 0.0,
                    sub=2.0 ** -25 if pr.p_fmt == "float16" else FTZ[pr.acc])
 
     def sum_of(self, n):
@@ -317,6 +318,11 @@ def _dscores(case, s: Scores, u: Units, dscores, o_terms, half_spacing, out_fmt)
     d_worst = ((ado * (o_worst + o_round)).sum(-1, keepdims=True)
                + u.sum_of(dv) * (ado * ao).sum(-1, keepdims=True) + e_row)
     d_var = (ado * ado * (o_var + o_round * o_round * VAR)).sum(-1, keepdims=True)
+    if u.d:  # "delta": each product dO O rounded to t, then D itself (|D| <= sum |dO| |O|)
+        d_abs = (ado * ao).sum(-1, keepdims=True)
+        d_worst = d_worst + 2 * u.d * d_abs
+        d_var = d_var + VAR * u.d * u.d * (((ado * ao) ** 2).sum(-1, keepdims=True)
+                                           + (s.do * s.o).sum(-1, keepdims=True) ** 2)
     dp_mag = ado @ _swap(s.av)
     # Where rho is large (pre-scaled operands at large logits) the errors that P multiplies grow with it.
     p_hi = p + np.where(s.rho > 1e-2, s.p_rho, 0.0)  # (below 1%: second order, left out as before)

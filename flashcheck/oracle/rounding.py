@@ -20,6 +20,7 @@ each one, either always or under a declared precision:
 | TF32 operands rounded to nearest (JAX Pallas) or by truncation (Triton's dots on an H200) | "tf32" |
 | P divided by its row sum before it is rounded, dP rounded to the input type (dense attention with a float32 softmax and its autodiff: XLA) | "dense" |
 | q * scale, or k * scale * log2(e), rounded to the input type before QK^T (Triton's tutorial) | "prescaled" |
+| D = rowsum(dO * O) from products rounded to the input type, D itself rounded to it (JAX Pallas's mha) | "delta" |
 
 Declared precisions combine with "+" ("tf32+prescaled"). "naive" is plain dense attention
 computed in the input type; the oracle keeps its older, looser rule for kernels that declare it.
@@ -36,12 +37,14 @@ import numpy as np
 DTYPES = ("float64", "float32", "float16", "bfloat16")
 HALF = ("float16", "bfloat16")
 RESULTS = ("o", "lse", "dq", "dk", "dv")
-SITES = ("tf32", "dense", "prescaled")  # the declarable rounding sites, in their canonical order
-PRECISIONS = ("fused",) + tuple("+".join(c) for n in range(1, 4) for c in itertools.combinations(SITES, n)) + ("naive",)
+SITES = ("tf32", "dense", "prescaled", "delta")  # the declarable rounding sites, in their canonical order
+PRECISIONS = ("fused",) + tuple("+".join(c) for n in range(1, len(SITES) + 1)
+                                for c in itertools.combinations(SITES, n)) + ("naive",)
 DECLARES = {"tf32": "matmul operands rounded to TF32 (10 mantissa bits), to nearest or by truncation",
             "dense": "P normalized before it is rounded, and dP rounded to the input type (dense attention "
                      "with a float32 softmax, and its autodiff)",
             "prescaled": "q*scale or k*scale*log2(e) rounded to the input type before the dot product",
+            "delta": "the backward's D = rowsum(dO * O) from products rounded to the input type, and D rounded to it",
             "naive": "plain dense attention computed in the input type"}
 LOG2E = 1.4426950408889634
 
@@ -73,7 +76,7 @@ class Precision:
     acc: the accumulation type; p_fmt: what P and dS are rounded to before their products;
     operand_fmt: what q, k, v, dO are rounded to inside products (tf32); out_fmt: O and gradients,
     which is also the input type. truncate: TF32 may truncate; p_normalized ("dense": P normalized
-    before it is rounded, dP rounded to t) and prescaled: the other declarable sites.
+    before it is rounded, dP rounded to t), prescaled and delta: the other declarable sites.
     """
 
     acc: str
@@ -83,6 +86,7 @@ class Precision:
     truncate: bool = False
     p_normalized: bool = False
     prescaled: bool = False
+    delta: bool = False
 
     @classmethod
     def of(cls, dtype: str, precision: str = "fused") -> "Precision":
@@ -91,7 +95,7 @@ class Precision:
         parts = set(precision.split("+"))
         if dtype == "float64":
             return cls("float64", "float64", "float64", "float64")
-        sites = dict(p_normalized="dense" in parts, prescaled="prescaled" in parts)
+        sites = dict(p_normalized="dense" in parts, prescaled="prescaled" in parts, delta="delta" in parts)
         if dtype in HALF:
             return cls("float32", dtype, "float32", dtype, **sites)
         tf32 = "tf32" if "tf32" in parts else "float32"
@@ -109,12 +113,14 @@ class Sites:
     ds_scaled: bool = False  # dS * scale rounded, not dS
     heads_rounded: bool = False  # GQA: each query head's dK, dV rounded to t before the group's sum
     exp2: bool = False  # scores times log2(e) in the accumulator, exp2, the LSE kept in log2 units (times ln 2 at the end)
+    delta_rounded: bool = False  # D = rowsum(dO * O): each product rounded to t, the float32 sum rounded to t
 
     def admitted_by(self, dtype: str) -> str:
         """The smallest precision whose rule admits these sites for inputs of ``dtype``."""
         parts = [n for n, on in (("tf32", self.tf32_truncate and dtype == "float32"),
                                  ("dense", self.p_normalized or (self.dp_rounded and dtype in HALF)),
-                                 ("prescaled", self.prescaled is not None)) if on]
+                                 ("prescaled", self.prescaled is not None),
+                                 ("delta", self.delta_rounded and dtype in HALF)) if on]
         return "+".join(parts) or "fused"
 
 
@@ -176,7 +182,10 @@ def fused(q, k, v, do, visible, scale: float, pr: Precision, sites: Sites = Site
     dp = dog @ np.swapaxes(vg, -1, -2)
     if sites.dp_rounded:
         dp = rt(dp)
-    delta = (dog * o_t).sum(axis=-1, keepdims=True, dtype=acc)
+    if sites.delta_rounded:  # Pallas: jnp.sum(o * do) on half operands, stored through the input type
+        delta = rt(rt(dog * o_t).sum(axis=-1, keepdims=True, dtype=acc))
+    else:
+        delta = (dog * o_t).sum(axis=-1, keepdims=True, dtype=acc)
     ds = p * (dp - delta)
     # dQ = dS K scale and dK = dS^T Q scale; a pre-scaled operand already carries the scale.
     q_sc, k_sc = (sc, acc(1.0)) if sites.prescaled == "q" else (acc(1.0), sc) if sites.prescaled == "k" else (sc, sc)
