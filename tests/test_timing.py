@@ -114,8 +114,9 @@ def test_an_xdist_worker_takes_its_share_of_the_cores_unless_threads_were_set(mo
     assert got == want, f"expected {want} torch threads ({expected}) for {workers} workers, got {got}"
 
 
-def test_an_earlier_runs_log_orders_the_tests_longest_first(tmp_path):
+def test_an_earlier_runs_log_orders_the_tests_longest_first(tmp_path, monkeypatch):
     """Unknown tests first, then by the logged wall time; input validation stays last; cut-off lines skipped."""
+    monkeypatch.delenv("PYTEST_XDIST_WORKER_COUNT", raising=False)  # one process: no dealing
     log = tmp_path / "last-night.jsonl"
     rows = [dict(kind="test", test="t::short", wall=1.0), dict(kind="example", test="t::long"),
             dict(kind="test", test="t::long", wall=90.0), dict(kind="test", test="t::refusal", wall=500.0)]
@@ -131,6 +132,17 @@ def test_an_earlier_runs_log_orders_the_tests_longest_first(tmp_path):
         timing.longest_first(items, str(tmp_path / "missing.jsonl"))
 
 
+def test_under_xdist_the_longest_tests_are_dealt_one_to_each_worker(tmp_path, monkeypatch):
+    """Each of the 3 workers' contiguous share of the queue starts with one of the 3 longest tests."""
+    log = tmp_path / "log.jsonl"
+    log.write_text("\n".join(json.dumps(dict(kind="test", test=f"t::{w}", wall=float(w))) for w in range(9)))
+    items = [types.SimpleNamespace(nodeid=f"t::{w}", get_closest_marker=lambda name: None) for w in range(9)]
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "3")
+    timing.longest_first(items, str(log))
+    shares = [[int(it.nodeid[3:]) for it in items[i:i + 3]] for i in (0, 3, 6)]
+    assert shares == [[8, 5, 2], [7, 4, 1], [6, 3, 0]], f"expected the longest dealt round the workers, got {shares}"
+
+
 def test_a_run_given_a_log_runs_its_longest_test_first(tmp_path):
     """The plugin applies it to a real collection (FLASHCHECK_ORDER_BY), in a pytest of its own."""
     import os
@@ -140,7 +152,8 @@ def test_a_run_given_a_log_runs_its_longest_test_first(tmp_path):
     log.write_text("\n".join(json.dumps(dict(kind="test", test=f"test_order.py::test_{n}", wall=w))
                              for n, w in (("a", 1.0), ("b", 30.0), ("c", 5.0))))
     (tmp_path / "test_order.py").write_text("def test_a(): pass\ndef test_b(): pass\ndef test_c(): pass\n")
-    env = {k: v for k, v in os.environ.items() if k != "FLASHCHECK_IMPL"} | {timing.ORDER_ENV: str(log)}
+    env = {k: v for k, v in os.environ.items() if k not in ("FLASHCHECK_IMPL", "PYTEST_XDIST_WORKER_COUNT")} | {
+        timing.ORDER_ENV: str(log)}
     run = subprocess.run([sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "test_order.py"],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     ran = [line.split("::")[1].split()[0] for line in run.stdout.splitlines() if line.startswith("test_order.py::")]
