@@ -8,7 +8,8 @@ implementation lives: an absolute spec, its file and module name), inputs.npz (t
 q, k, v, dO), failure.txt (the property and its full message), repro.py (the same command
 as a script) and, where matplotlib is installed, error.png. Replay runs forward (and
 backward where declared) and holds every result to the oracle, printing one line per
-result; the exit status is 1 on a mismatch and 2 when the reproducer cannot run.
+result; the exit status is 1 on a mismatch and 2 when the reproducer cannot run. A dropout
+case runs the property that failed instead (the dense truth knows no kernel's keep mask).
 """
 from __future__ import annotations
 
@@ -113,6 +114,8 @@ def main(argv=None) -> int:
 
     print(f"case = {case_code(case, impl)}\nimplementation: {impl.name} ({args.impl or origin['spec']})")
     case = case if case.dtype in impl.dtypes else case.replace(dtype=impl.dtypes[0])
+    if case.dropout_p:  # the dense truth knows no kernel's keep mask: the property that failed is the check
+        return _replay_property(where, impl, case)
     try:
         res = call.run(impl, case, *inputs[:3], inputs[3] if impl.has_backward else None)
     except Exception as exc:  # the kernel itself failed on the case: that reproduces a failure too
@@ -135,6 +138,33 @@ def main(argv=None) -> int:
             print(f"  {name:4} FAIL  {plain_numbers(str(exc).splitlines()[0])}")
     print("reproduced: the implementation disagrees with the oracle" if failed else "passes on this case")
     return 1 if failed else 0
+
+
+def _replay_property(where: Path, impl, case) -> int:
+    """Run the property named in failure.txt on ``case`` (a suite property taking the implementation and
+    the case alone): a dropout case is judged through the kernel's own mask, which only it reads."""
+    import importlib
+    import inspect
+
+    test_id = (where / "failure.txt").read_text().splitlines()[0]
+    path, _, name = test_id.partition("::")
+    module = "flashcheck." + path.split("flashcheck/")[-1].removesuffix(".py").replace("/", ".")
+    try:
+        test = getattr(importlib.import_module(module), name.split("[")[0]).hypothesis.inner_test
+    except (ImportError, AttributeError):
+        test = None
+    if test is None or set(inspect.signature(test).parameters) != {"impl", "case"}:
+        print(f"flashcheck replay: a dropout case is not held to the dense oracle, and {test_id} is not a suite "
+              f"property of (impl, case) that can run it here; run it with pytest --impl ...")
+        return 2
+    print(f"property: {test_id}")
+    try:
+        test(impl=impl, case=case)
+    except AssertionError as exc:
+        print(f"  FAIL  {str(exc).splitlines()[0]}\nreproduced: the property fails on this case")
+        return 1
+    print("passes on this case")
+    return 0
 
 
 if __name__ == "__main__":

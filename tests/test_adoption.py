@@ -351,3 +351,18 @@ def test_a_heatmap_is_drawn_only_where_matplotlib_is_installed(tmp_path, monkeyp
     pytest.importorskip("matplotlib")
     assert heatmap(failure, tmp_path / "error.png") is True
     assert (tmp_path / "error.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_dropout_reproducer_replays_the_property_that_failed(tmp_path, monkeypatch, capsys):
+    """The dense truth knows no kernel's keep mask: holding a dropout case to it read as a mismatch on every
+    result. Replay runs the failed property instead, or says it cannot."""
+    from flashcheck import repro
+
+    monkeypatch.setenv("FLASHCHECK_REPRO_DIR", str(tmp_path))
+    case = Case(hq=2, sq=8, sk=6, d=4, dv=4, causal="bottom_right", dropout_p=0.1, dropout_seed=3)
+    prop = "properties/test_dropout.py::test_the_same_seed_gives_bitwise_the_same_results_and_another_seed_differs"
+    out = repro.write(case, "torch-tiled", f"{prop}[torch-tiled]", "message")
+    assert repro.main([str(out)]) == 0, capsys.readouterr().out
+    assert f"property: {prop}" in capsys.readouterr().out
+    other = repro.write(case, "torch-tiled", "properties/test_dropout.py::read_mask[torch-tiled]", "message")
+    assert repro.main([str(other)]) == 2, "expected a dropout case it cannot judge to be refused"
