@@ -96,3 +96,18 @@ def test_a_write_past_out_names_the_side_and_how_far():
         call.run(impl, case, *case.inputs()[:3])
     good = call.run(load("mutants/outputs.py:correct"), case, *case.inputs()[:3])
     assert good.o.shape == (1, 2, 5, 3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA, which this machine lacks")
+def test_what_a_kernel_allocates_on_cuda_after_priming_starts_as_nan():
+    """Both pools of the caching allocator: a small request (from a 2 MiB segment) and a large one."""
+    keep = torch.ones(3, device="cuda")  # a live block stays as it is
+    memory.prime_cuda_cache(torch, "cuda", 4 << 20)
+    small, large = torch.empty(1000, device="cuda", dtype=torch.float16), torch.empty(1 << 20, device="cuda")
+    assert small.isnan().all() and large.isnan().all(), "expected freshly allocated memory to hold NaN"
+    assert (keep == 1).all(), "priming changed a live tensor"
+
+
+def test_priming_the_allocator_leaves_cpu_alone():
+    memory.prime_cuda_cache(torch, "cpu", 1 << 20)  # CPU allocations are poisoned by memory.poisoned instead

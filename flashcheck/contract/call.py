@@ -137,10 +137,14 @@ def _grad_mode(path: str):
     return {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}.get(path, contextlib.nullcontext)()
 
 
-def _fresh(torch, device):
-    """On CPU a kernel's own allocations hold NaN until it writes them (memory.poisoned); on CUDA not
-    yet (a torch.compile'd kernel traces through the mode, unmeasured there)."""
-    return memory.poisoned(torch) if torch.device(device).type == "cpu" else contextlib.nullcontext()
+def _fresh(torch, device, nbytes=0):
+    """A kernel's own allocations hold NaN until it writes them: on CPU through a torch function mode
+    (memory.poisoned); on CUDA through the caching allocator's recycled blocks, filled with NaN first
+    (memory.prime_cuda_cache: a torch.compile'd kernel would trace through the mode)."""
+    if torch.device(device).type == "cpu":
+        return memory.poisoned(torch)
+    memory.prime_cuda_cache(torch, device, nbytes)
+    return contextlib.nullcontext()
 
 
 def run(impl: Implementation, case, q, k, v, do=None, *, device=None, path=None) -> Result:
@@ -200,7 +204,8 @@ def run_torch(impl, case, q, k, v, do, *, device, path, shapes, layout_kw=None) 
     guarded = _guarded_out(torch, shapes["o"][0], dt, device) if impl.out else None
     if guarded is not None:
         kw["out"] = guarded[1]
-    with _grad_mode(path), _fresh(torch, device):
+    nbytes = sum(x.numel() * x.element_size() for x in (qt, kt, vt))
+    with _grad_mode(path), _fresh(torch, device, nbytes):
         try:
             out = _call(impl, case, qt, kt, vt, **kw)
         except (AssertionError, NotImplementedError):
@@ -217,7 +222,7 @@ def run_torch(impl, case, q, k, v, do, *, device, path, shapes, layout_kw=None) 
                  lse_dtype="" if lse is None else str(lse.dtype).removeprefix("torch."))
     if do is not None:
         do_t = memory.lay(torch, do, case.memory, device=device, dtype=o.dtype)  # dO laid out as the inputs
-        with _fresh(torch, device):
+        with _fresh(torch, device, nbytes):
             o.backward(do_t)
         res.dq, res.dk, res.dv = (_np(x.grad) if x.grad is not None else np.zeros(x.shape) for x in (qt, kt, vt))
         if sinks is not None:

@@ -98,3 +98,22 @@ def _poisoned_mode(torch):
             return out
 
     return Poisoned
+
+
+SMALL_BLOCK = 1 << 20  # the CUDA caching allocator serves requests up to 1 MiB from 2 MiB segments
+
+
+def prime_cuda_cache(torch, device, nbytes: int) -> None:
+    """On CUDA, what a kernel allocates itself (in C++ too, where no torch function mode sees it) comes
+    from the caching allocator's free blocks: recycled memory, often zeros. Before a call every cached
+    block is released, and blocks of both pools (four small segments, and one of 2 ``nbytes``) are
+    filled with 0xFF bytes, NaN in every float type, and freed back to the cache, so the kernel's
+    outputs and workspaces start as NaN unless it writes them. Not while a CUDA graph is captured."""
+    if torch.device(device).type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return
+    torch.cuda.empty_cache()
+    blocks = [torch.empty(SMALL_BLOCK, dtype=torch.uint8, device=device) for _ in range(8)]
+    blocks.append(torch.empty(max(2 * nbytes, 2 * SMALL_BLOCK), dtype=torch.uint8, device=device))
+    for b in blocks:
+        b.fill_(255)
+    del blocks
