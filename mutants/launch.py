@@ -10,7 +10,9 @@ from flashcheck.contract import implementation
 BUGS = {
     "default_stream": "launches on the default stream, not the caller's current one",
     "cached_keys": "keeps a copy of K keyed by its pointer and version: right in eager, stale in a CUDA graph's replay",
+    "shared_output": "writes O into one buffer that every call shares, then copies it out: two streams at once race",
 }
+SLEEP_CYCLES = 2_000_000  # about 1 ms of GPU clock between writing the shared buffer and reading it back
 
 
 def _kernel(bug):
@@ -25,8 +27,14 @@ def _kernel(bug):
             k = copies[key]
         stream = torch.cuda.default_stream(q.device) if bug == "default_stream" else torch.cuda.current_stream(q.device)
         with torch.cuda.stream(stream):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=bool(causal), scale=scale,
-                                                  enable_gqa=q.shape[1] != k.shape[1])
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=bool(causal), scale=scale,
+                                               enable_gqa=q.shape[1] != k.shape[1])
+            if bug == "shared_output":  # one workspace per shape for every call, as a static buffer would be
+                buf = copies.setdefault((tuple(o.shape), o.dtype), torch.empty_like(o))
+                buf.copy_(o)
+                torch.cuda._sleep(SLEEP_CYCLES)
+                o = buf.clone()
+            return o
 
     return attention
 
@@ -39,3 +47,4 @@ def _register(name, bug):
 correct = _register("launch-correct", None)
 default_stream = _register("launch-default_stream", "default_stream")
 cached_keys = _register("launch-cached_keys", "cached_keys")
+shared_output = _register("launch-shared_output", "shared_output")

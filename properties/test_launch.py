@@ -1,4 +1,5 @@
-"""Launch context, on CUDA: a side stream, a CUDA graph's replay, torch.compile (flashcheck/contract/launch.py)."""
+"""Launch context, on CUDA: a side stream, two streams at once, a CUDA graph's replay, torch.compile
+(flashcheck/contract/launch.py)."""
 import pytest
 from hypothesis import example, given, note
 
@@ -26,6 +27,18 @@ def test_a_call_on_a_side_stream_reads_the_inputs_written_there(impl, case):
     case = fs.fit(impl, case)
     q, k, v, _ = case.inputs()
     check(impl, case, launch.on_side_stream(impl, case, q, k, v), "called on a side stream, inputs written there")
+
+
+@pytest.mark.requires("cuda")
+@given(case=fs.cases())
+@example(case=PIN)
+def test_two_calls_at_once_on_two_streams_each_give_their_own_attention(impl, case):
+    """Two requests served concurrently: a workspace or output buffer the calls share hands one the other's."""
+    case = fs.fit(impl, case)
+    other = case.replace(seed=case.seed + 1)
+    note(f"seed {case.seed} on one stream, seed {other.seed} on another, launched back to back")
+    for c, res in zip((case, other), launch.on_two_streams(impl, case, case.inputs()[:3], other.inputs()[:3])):
+        check(impl, c, res, f"one of two calls at once on two streams (seeds {case.seed} and {other.seed})")
 
 
 @pytest.mark.requires("cuda", "cuda_graphs")

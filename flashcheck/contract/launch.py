@@ -6,6 +6,10 @@ under torch.compile (properties/test_launch.py). Forward only, dense layout, O a
   about a hundred milliseconds on the GPU before writing the real values, and calls the kernel on
   that stream. A kernel that launches on the default stream instead of the current one reads the
   inputs before they are written: NaN, or a mix.
+- **Two streams at once.** A server runs two requests concurrently on two streams. The suite
+  launches the call on two cases from two streams, the second before the first has finished, and
+  holds each result to its own case's truth. A kernel that shares a workspace or an output buffer
+  between calls hands one request the other's numbers.
 - **A CUDA graph.** Serving stacks capture decoding steps in CUDA graphs and replay them after
   writing each step's values into the captured inputs. The suite warms the call up on a side
   stream (compiling and autotuning outside the capture, as torch's docs ask), captures it, writes
@@ -53,6 +57,26 @@ def on_side_stream(impl, case, q, k, v) -> call.Result:
         out = call._call(impl, case, *ins, **kw)
     side.synchronize()
     return _result(impl, case, out, q, v)
+
+
+def on_two_streams(impl, case, first, second) -> list:
+    """The call on ``first``'s and ``second``'s (q, k, v), each on a stream of its own, launched one
+    right after the other (a warm-up call first keeps compiling and autotuning out of the overlap)."""
+    import torch
+
+    kw = call.kwargs_for(impl, case, tensor=lambda a: torch.from_numpy(a).to("cuda"))
+    ins = [_tensors(torch, impl, case, arrays, "cuda") for arrays in (first, second)]
+    with torch.no_grad():
+        call._call(impl, case, *ins[0], **kw)
+    torch.cuda.synchronize()
+    outs = []
+    with torch.no_grad():
+        for x in ins:
+            stream = torch.cuda.Stream()
+            with torch.cuda.stream(stream):
+                outs.append(call._call(impl, case, *x, **kw))
+    torch.cuda.synchronize()
+    return [_result(impl, case, out, arrays[0], arrays[2]) for out, arrays in zip(outs, (first, second))]
 
 
 class CaptureFailed(AssertionError):
