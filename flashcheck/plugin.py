@@ -180,8 +180,8 @@ def _load_profile(config):
         profiles.load(name)
     except ValueError as exc:
         raise pytest.UsageError(str(exc)) from exc
-    if name == "gpu" and not cuda_available() and not config.getoption("--allow-skip"):
-        raise pytest.UsageError("the gpu profile is for CUDA runners and this machine has no CUDA "
+    if name in ("gpu", "gpu-scale") and not cuda_available() and not config.getoption("--allow-skip"):
+        raise pytest.UsageError(f"the {name} profile is for CUDA runners and this machine has no CUDA "
                                 "(torch.cuda.is_available() is False); pass --allow-skip to run it anyway")
     return name
 

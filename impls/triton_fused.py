@@ -273,7 +273,7 @@ def _forward(q, k, v, align, scale, precision, cfg: _Cfg, kernels=K, out=None, f
     else:
         o, lse = out
     feats = feats or _features(q, k, align)
-    _launch(kernels.attn_fwd, lambda bm, bn: (triton.cdiv(sq, bm), b * hq), cfg.fwd,
+    _launch(kernels.attn_fwd, lambda bm, bn: (triton.cdiv(sq, bm), hq, b), cfg.fwd,
             q, k, v, o, lse,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
@@ -299,18 +299,18 @@ def _backward(do, q, k, v, o, lse, align, scale, precision, cfg: _Cfg, kernels=K
     else:
         delta, dq, dk, dvv = out
     pre_bm = 16 if INTERPRET else 64
-    kernels.attn_bwd_preprocess[(triton.cdiv(sq, pre_bm), b * hq)](
+    kernels.attn_bwd_preprocess[(triton.cdiv(sq, pre_bm), hq, b)](
         o, do, delta, o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
         hq, sq, dv, BLOCK_M=pre_bm, DV_PAD=dvpad, PAD_DV=dvpad != dv)
     common = dict(**feats.kernel_args(lse, with_sinks=False), D_PAD=dpad, DV_PAD=dvpad, PAD_D=dpad != d,
                   PAD_DV=dvpad != dv, DOT_PREC=precision)
-    _launch(kernels.attn_bwd_dkdv, lambda bm, bn: (triton.cdiv(sk, bn), b * hkv), cfg.dkdv,
+    _launch(kernels.attn_bwd_dkdv, lambda bm, bn: (triton.cdiv(sk, bn), hkv, b), cfg.dkdv,
             q, k, v, do, lse, delta, dk, dvv,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
             dk.stride(0), dk.stride(1), dk.stride(2), dvv.stride(0), dvv.stride(1), dvv.stride(2),
             hq, hkv, hq // hkv, sq, sk, d, dv, feats.off, scale * K.LOG2E_F, scale, **common)
-    _launch(kernels.attn_bwd_dq, lambda bm, bn: (triton.cdiv(sq, bm), b * hq), cfg.dq,
+    _launch(kernels.attn_bwd_dq, lambda bm, bn: (triton.cdiv(sq, bm), hq, b), cfg.dq,
             q, k, v, do, lse, delta, dq,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),

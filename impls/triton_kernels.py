@@ -216,13 +216,10 @@ def attn_fwd(Q, K, V, O, LSE,
     pid_m = tl.program_id(0)
     if CAUSAL:  # the last query tiles see the most keys: start them first to shorten the tail
         pid_m = tl.num_programs(0) - 1 - pid_m
-    if IS_VARLEN:  # grid (tiles, Hq, B): the order of (tiles, B * Hq), with no axis past 65535 programs
-        b = tl.program_id(2).to(tl.int64)
-        h = tl.program_id(1).to(tl.int64)
-    else:
-        pid_bh = tl.program_id(1)
-        b = (pid_bh // Hq).to(tl.int64)
-        h = (pid_bh % Hq).to(tl.int64)
+    # grid (tiles, Hq, B): the order of (tiles, B * Hq), with no axis past 65535 programs (a flat
+    # B * Hq in y failed to launch past 65535 heads in all)
+    b = tl.program_id(2).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
     hk = h // G
     m0 = pid_m * BLOCK_M
     if IS_VARLEN:  # sequence b's own tokens: Sq, Sk become its lengths
@@ -235,7 +232,7 @@ def attn_fwd(Q, K, V, O, LSE,
         OFF, LOFF, DIAG = _band(Sq, Sk, OFF, LOFF, TOP)
         q_off, k_off, v_off, o_off = q_start * sqm, k_start * skn, k_start * svn, q_start * som
     else:
-        row_base = pid_bh.to(tl.int64) * Sq
+        row_base = (b * Hq + h) * Sq
         q_off, k_off, v_off, o_off = b * sqb, b * skb, b * svb, b * sob
     q_base = Q + q_off + h * sqh
     k_base = K + k_off + hk * skh
@@ -288,9 +285,8 @@ def attn_bwd_preprocess(O, DO, DELTA, sob, soh, som, sdob, sdoh, sdom, Hq, Sq, D
                         BLOCK_M: tl.constexpr, DV_PAD: tl.constexpr, PAD_DV: tl.constexpr):
     """delta[b, h, i] = rowsum(dO * O) in float32."""
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // Hq).to(tl.int64)
-    h = (pid_bh % Hq).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)  # grid (tiles, Hq, B), as attn_fwd's
+    h = tl.program_id(1).to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_dv = tl.arange(0, DV_PAD)
     o = _load2d(O + b * sob + h * soh + offs_m[:, None] * som + offs_dv[None, :],
@@ -298,7 +294,7 @@ def attn_bwd_preprocess(O, DO, DELTA, sob, soh, som, sdob, sdoh, sdom, Hq, Sq, D
     do = _load2d(DO + b * sdob + h * sdoh + offs_m[:, None] * sdom + offs_dv[None, :],
                  offs_m, Sq, offs_dv, Dv, True, PAD_DV).to(tl.float32)
     delta = tl.sum(o * do, 1)
-    tl.store(DELTA + pid_bh.to(tl.int64) * Sq + offs_m, delta, mask=offs_m < Sq)
+    tl.store(DELTA + (b * Hq + h) * Sq + offs_m, delta, mask=offs_m < Sq)
 
 
 @triton.jit
@@ -355,13 +351,8 @@ def attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV,
                   DOT_PREC: tl.constexpr, CU_Q=None, CU_K=None, TOP=0, IS_VARLEN: tl.constexpr = False):
     """One program per (key tile, batch, kv head): loops over the group's query heads and query tiles."""
     pid_n = tl.program_id(0)
-    if IS_VARLEN:  # grid (key tiles, Hkv, B)
-        b = tl.program_id(2).to(tl.int64)
-        hk = tl.program_id(1).to(tl.int64)
-    else:
-        pid_bh = tl.program_id(1)
-        b = (pid_bh // Hkv).to(tl.int64)
-        hk = (pid_bh % Hkv).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)  # grid (key tiles, Hkv, B)
+    hk = tl.program_id(1).to(tl.int64)
     n0 = pid_n * BLOCK_N
     if IS_VARLEN:  # sequence b's own tokens: Sq, Sk become its lengths
         k_start, seq_k = _sequence(CU_K, b)
@@ -459,13 +450,10 @@ def attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ,
     pid_m = tl.program_id(0)
     if CAUSAL:
         pid_m = tl.num_programs(0) - 1 - pid_m
-    if IS_VARLEN:  # grid (tiles, Hq, B): the order of (tiles, B * Hq), with no axis past 65535 programs
-        b = tl.program_id(2).to(tl.int64)
-        h = tl.program_id(1).to(tl.int64)
-    else:
-        pid_bh = tl.program_id(1)
-        b = (pid_bh // Hq).to(tl.int64)
-        h = (pid_bh % Hq).to(tl.int64)
+    # grid (tiles, Hq, B): the order of (tiles, B * Hq), with no axis past 65535 programs (a flat
+    # B * Hq in y failed to launch past 65535 heads in all)
+    b = tl.program_id(2).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
     hk = h // G
     m0 = pid_m * BLOCK_M
     if IS_VARLEN:  # sequence b's own tokens: Sq, Sk become its lengths
@@ -479,7 +467,7 @@ def attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ,
         q_off, do_off, k_off, v_off, dq_off = q_start * sqm, q_start * sdom, k_start * skn, k_start * svn, \
             q_start * sdqm
     else:
-        row_base = pid_bh.to(tl.int64) * Sq
+        row_base = (b * Hq + h) * Sq
         q_off, do_off, k_off, v_off, dq_off = b * sqb, b * sdob, b * skb, b * svb, b * sdqb
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D_PAD)

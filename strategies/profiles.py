@@ -23,6 +23,9 @@ settings.register_profile("ci", max_examples=25, derandomize=True, database=None
 settings.register_profile("gpu", max_examples=30, deadline=None, suppress_health_check=_SLOW_OK,
                           phases=_NO_EXPLAIN)
 settings.register_profile("thorough", max_examples=2000, deadline=None, suppress_health_check=_SLOW_OK)
+# Nightly, on CUDA: the gpu profile's draws, and the scale property's every target (strategies/scale.py):
+# a few examples, each of them gigabytes
+settings.register_profile("gpu-scale", settings.get_profile("gpu"), max_examples=6)
 
 
 def without_pins(profile: str) -> str:
@@ -46,7 +49,7 @@ def default_profile() -> str:
     return "ci" if os.environ.get("CI") else "default"
 
 
-NAMES = ("default", "ci", "gpu", "thorough")
+NAMES = ("default", "ci", "gpu", "gpu-scale", "thorough")
 
 
 def load(name: str) -> None:

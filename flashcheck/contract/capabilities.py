@@ -55,7 +55,7 @@ def _cuda(i: Implementation) -> str | None:
     from flashcheck.contract.call import cuda_available
 
     if not cuda_available():
-        return "no CUDA device here: a launch-context property (the gpu lane runs it)"
+        return "no CUDA device here: a CUDA-only property (the gpu lane runs it)"
     if "cuda" not in i.devices:
         return f"{i.name} does not declare devices=(..., 'cuda')"
     if i.framework != "torch":

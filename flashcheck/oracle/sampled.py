@@ -24,14 +24,18 @@ from flashcheck.strategies.case import AttentionCase
 NAMES = ("o", "lse", "dq")  # the results that are functions of one query row
 
 
-def rows_to_check(case: AttentionCase, block: int = 128, random_rows: int = 16, seed: int = 0) -> np.ndarray:
+def rows_to_check(case: AttentionCase, block: int = 128, random_rows: int = 16, seed: int = 0,
+                  boundaries: int | None = None) -> np.ndarray:
     """Query rows worth checking in a large case, sorted: the first and last tile, each side of every
-    tile boundary of ``block`` rows (where a kernel's tiling changes hands), and ``random_rows`` more."""
-    sq = case.sq
+    tile boundary of ``block`` rows (where a kernel's tiling changes hands; ``boundaries`` of them,
+    drawn, where given), and ``random_rows`` more."""
+    sq, rng = case.sq, np.random.default_rng(seed)
     edges = [np.arange(min(block, sq)), np.arange(max(0, sq - block), sq)]
-    for start in range(block, sq, block):
-        edges.append(np.array([start - 1, start]))
-    chosen = np.concatenate(edges + [np.random.default_rng(seed).integers(0, sq, random_rows)])
+    starts = np.arange(block, sq, block)
+    if boundaries is not None and len(starts) > boundaries:
+        starts = rng.choice(starts, boundaries, replace=False)
+    edges += [np.array([start - 1, start]) for start in starts]
+    chosen = np.concatenate(edges + [rng.integers(0, sq, random_rows)])
     return np.unique(chosen[(chosen >= 0) & (chosen < sq)])
 
 
@@ -66,9 +70,10 @@ def _row_kwargs(case: AttentionCase, rows: np.ndarray) -> dict:
     return kw | {"rows": (rows, case.sq)}
 
 
-def parts(case: AttentionCase, rows: np.ndarray):
-    """(truth, bounds): the float64 O, LSE and dQ at ``rows`` (B, Hq, R, .), and the rule's rounding terms."""
-    q, k, v, do = case.inputs()
+def parts(case: AttentionCase, rows: np.ndarray, inputs=None):
+    """(truth, bounds): the float64 O, LSE and dQ at ``rows`` (B, Hq, R, .), and the rule's rounding terms;
+    ``inputs``: (q, k, v, dO) as float64 arrays, where not the case's own (a head read off a device)."""
+    q, k, v, do = case.inputs() if inputs is None else inputs
     q, do = q[:, :, rows], do[:, :, rows]
     kw = _row_kwargs(case, rows)
     probs = reference.dense_probs(q, k, v, who="sampled oracle", **kw)
@@ -88,24 +93,26 @@ def parts(case: AttentionCase, rows: np.ndarray):
     return {"o": o, "lse": lse, "dq": dq}, terms
 
 
-def allowed(case: AttentionCase, name: str, rows: np.ndarray, truth=None, terms=None) -> np.ndarray:
+def allowed(case: AttentionCase, name: str, rows: np.ndarray, truth=None, terms=None, inputs=None) -> np.ndarray:
     """The rule's allowed error at ``rows`` of result ``name`` (rule.allowed, cut to those rows)."""
     _refuse(case, name)
     if truth is None or terms is None:
-        truth, terms = parts(case, rows)
+        truth, terms = parts(case, rows, inputs)
     floor = rule.half_spacing(truth[name], rule.result_dtype(case.dtype, name)) * (1 + 2 * rule.ULP_FLOOR)
     return terms[name] + floor
 
 
-def entries(case: AttentionCase, name: str, got: np.ndarray, rows: np.ndarray) -> rule.Entries:
-    """``got``, result ``name`` at ``rows`` only (B, Hq, R, .), entry by entry under the rule."""
-    truth, terms = parts(case, rows)
+def entries(case: AttentionCase, name: str, got: np.ndarray, rows: np.ndarray, inputs=None, parts_=None) -> rule.Entries:
+    """``got``, result ``name`` at ``rows`` only (B, Hq, R, .), entry by entry under the rule; ``parts_``:
+    parts()'s answer for these rows, where already computed."""
+    truth, terms = parts_ or parts(case, rows, inputs)
     return rule.entries(case, name, got, want=truth[name], budget=allowed(case, name, rows, truth, terms))
 
 
-def compare(case: AttentionCase, name: str, got: np.ndarray, rows: np.ndarray, who: str = "") -> None:
+def compare(case: AttentionCase, name: str, got: np.ndarray, rows: np.ndarray, who: str = "", inputs=None,
+            parts_=None) -> None:
     """Assert ``got`` (result ``name`` at ``rows``) lies within the rule; the message names the row."""
-    e = entries(case, name, got, rows)
+    e = entries(case, name, got, rows, inputs, parts_)
     if not e.wrong.any():
         return
     label = f"{who} {name} (sampled rows)".strip()

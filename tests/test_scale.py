@@ -1,0 +1,58 @@
+"""The scale region's machinery (strategies/scale.py, properties/test_scale.py) on CPU, at sizes a
+CPU runs: heads read back and judged by the sampled oracle, a wrong head named, cases halved to fit."""
+import numpy as np
+import pytest
+import torch
+
+from flashcheck.contract import call, load
+from flashcheck.properties import test_scale as prop
+from flashcheck.strategies import AttentionCase as Case
+from flashcheck.strategies import scale
+
+CASE = Case(batch=40, hq=4, hkv=2, sq=48, sk=40, d=16, dv=16, causal="top_left", dtype="float32")
+
+
+def run(impl, case, seed=3):
+    tensors = prop.device_inputs(torch, case, seed, device="cpu")
+    q, k, v, do = tensors
+    q.requires_grad_(True)
+    o, lse = call._split(impl, impl.fn(q, k, v, **call.kwargs_for(impl, case)), impl.name)
+    (dq,) = torch.autograd.grad(o, q, do)
+    return tensors, o.detach(), None if lse is None else lse.detach(), dq
+
+
+def test_sampled_heads_of_a_correct_kernel_pass():
+    impl = load("sdpa-math")
+    tensors, o, lse, dq = run(impl, CASE)
+    prop.judge_heads(impl, CASE, tensors, o, lse, dq, seed=3)
+
+
+def test_a_wrong_entry_in_a_judged_head_fails_and_the_message_names_the_head():
+    impl = load("sdpa-math")
+    tensors, o, lse, dq = run(impl, CASE)
+    b, h = prop.heads_to_check(CASE, 3)[-1]
+    o[b, h, CASE.sq - 1, 0] += 1e-3  # the last row is always checked
+    with pytest.raises(AssertionError, match=f"batch {b}, head {h} of"):
+        prop.judge_heads(impl, CASE, tensors, o, lse, dq, seed=3)
+
+
+def test_heads_to_check_hold_the_first_and_the_last():
+    picks = prop.heads_to_check(CASE, 0)
+    assert (0, 0) in picks and (CASE.batch - 1, CASE.hq - 1) in picks and len(picks) == prop.HEADS, picks
+
+
+@pytest.mark.parametrize("target", list(scale.TARGETS))
+def test_a_target_that_does_not_fit_is_halved_until_it_does(target):
+    case = Case(**scale.TARGETS[target], dtype="float16")
+    free = scale.nbytes(case, True) // 5
+    small = scale.fitted_to_memory(case, free, True)
+    assert scale.nbytes(small, True) <= free, f"expected {small!r} to fit in {free} bytes"
+    assert (small.hq, small.d) == (case.hq, case.d), "expected the batch and lengths halved, the heads kept"
+    assert scale.fitted_to_memory(case, 10 * scale.nbytes(case, True), True) == case, "a case that fits is kept"
+
+
+def test_the_targets_pass_the_limits_they_are_named_for():
+    grid, elements, long = (Case(**scale.TARGETS[t]) for t in ("grid", "elements", "long"))
+    assert grid.batch * grid.hq > 65535
+    assert elements.batch * elements.hq * elements.sq * elements.d > 2**31
+    assert long.sq == long.sk == 131072
