@@ -3,6 +3,8 @@
 Each mutant runs through ``pytest -m properties --impl mutants/<file>.py:<bug>``: the
 same path a user's plug-in takes. The table printed at the end is README's mutant table.
 """
+import os
+
 import pytest
 
 from flashcheck.contract import call
@@ -29,6 +31,11 @@ if call.cuda_available():  # launch context: streams and graphs are CUDA's
 if triton_mutants is not None:
     MUTANTS += [(f"mutants/triton.py:{bug}", what) for bug, what in triton_mutants.BUGS.items()]
     MUTANTS += [(f"mutants/triton.py:{bug}", what) for bug, what in triton_mutants.FEATURE_BUGS.items()]
+# Offsets that wrap past 2^31 elements show only in the gpu-scale profile's giant cases, on CUDA.
+SCALE = []
+if triton_mutants is not None and call.cuda_available() and os.environ.get("FLASHCHECK_PROFILE") == "gpu-scale":
+    SCALE = [(f"mutants/triton.py:{bug}", what) for bug, what in triton_mutants.SCALE_BUGS.items()]
+MUTANTS += SCALE
 # Precision bugs need long sequences to show, so their shrunk cases are not held to small().
 PRECISION = [(f"mutants/precision.py:{bug}", what) for bug, what in precision.BUGS.items()]
 MUTANTS += PRECISION
@@ -63,6 +70,8 @@ def _files(spec):
         return ["properties/test_features.py"]  # a mask tensor is a feature: drawn by the feature properties
     if spec.startswith("mutants/precision.py"):
         return harness.VALUES  # precision bugs show in the values themselves
+    if spec in dict(SCALE):
+        return ["properties/test_scale.py"]  # a wrap past 2^31 elements shows only in a giant case
     feature_bugs = triton_mutants.FEATURE_BUGS if triton_mutants is not None else {}
     if spec.startswith("mutants/features.py") or spec.split(":")[-1] in feature_bugs:
         return harness.FEATURE_FILES
@@ -86,7 +95,7 @@ def test_mutant_is_killed_with_a_small_case(spec, what, pins):
     # they are killed on the long pins (properties/helpers.py), which every run has.
     # Their kills are on 2048-long pins and not held to a small case: shrinking those costs minutes
     # of float64 truths and proves nothing here, so they report the first failing case.
-    precise = (spec, what) in PRECISION
+    precise = (spec, what) in PRECISION or (spec, what) in SCALE  # their cases are large by nature
     verdict = harness.run_suite(spec, pins=pins or precise, files=_files(spec), shrink=not precise)
     RESULTS.append((spec, what, pins, verdict))
     assert verdict.killed, f"{spec} ({what}) survived the property suite:\n{verdict.output[-2000:]}"
@@ -94,7 +103,7 @@ def test_mutant_is_killed_with_a_small_case(spec, what, pins):
     case = harness.parse(verdict.case)
     race = spec.startswith("mutants/races.py")  # the race property runs at its own batch
     two = spec in NEEDS_TWO and case.batch == 2  # a bug of batch entries past the first needs two
-    assert (spec, what) in PRECISION or small(case.replace(batch=1) if race or two else case), \
+    assert precise or small(case.replace(batch=1) if race or two else case), \
         f"{spec}: shrunk case is not small: {verdict.case}"
 
 

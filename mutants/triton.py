@@ -34,6 +34,10 @@ FEATURE_BUGS = {
     "softcap_no_tanh_grad": "backward omits the softcap's 1 - tanh^2 (Triton)",
     "alibi_sign": "ALiBi bias added with the wrong sign (Triton)",
 }
+# Shown only past 2^31 elements: the gpu-scale profile's "elements" target (properties/test_scale.py)
+SCALE_BUGS = {
+    "int32_offsets": "batch and head indices kept in int32: b * stride wraps past 2^31 elements (Triton)",
+}
 
 # bug -> [(text in the kernel source, its replacement, how many times it occurs)]
 PATCHES = {
@@ -54,8 +58,15 @@ PATCHES = {
                               "        if False:\n", 1),
                              ("        if SOFTCAP:  # through the cap (see _dkdv_inner)\n", "        if False:\n", 1)],
     "alibi_sign": [("        s = s - slope2 * dist\n", "        s = s + slope2 * dist\n", 1)],
+    "int32_offsets": [
+        ("    b = tl.program_id(2).to(tl.int64)\n    h = tl.program_id(1).to(tl.int64)\n",
+         "    b = tl.program_id(2)\n    h = tl.program_id(1)\n", 2),
+        ("    b = tl.program_id(2).to(tl.int64)  # grid (tiles, Hq, B), as attn_fwd's\n    h = tl.program_id(1).to(tl.int64)\n",
+         "    b = tl.program_id(2)\n    h = tl.program_id(1)\n", 1),
+        ("    b = tl.program_id(2).to(tl.int64)  # grid (key tiles, Hkv, B)\n    hk = tl.program_id(1).to(tl.int64)\n",
+         "    b = tl.program_id(2)\n    hk = tl.program_id(1)\n", 1)],
 }
-assert set(PATCHES) == {**BUGS, **FEATURE_BUGS}.keys()
+assert set(PATCHES) == {**BUGS, **FEATURE_BUGS, **SCALE_BUGS}.keys()
 
 
 def patched_source(bug: str) -> str:
