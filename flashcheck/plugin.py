@@ -479,8 +479,13 @@ def pytest_runtest_makereport(item, call):
     failure = report.Failure.of(item, impl, call.excinfo.value, getattr(item, "flashcheck_pin", None))
 
     where = None
+    from flashcheck.strategies import context
+
+    skip = context.current().no_reproducer
+    if skip is not None and failure.case is not None:
+        rep.sections.append(("flashcheck reproducer", f"none: {skip}"))
     try:
-        if failure.case is not None:  # a property about one case (not e.g. a malformed-input check)
+        if failure.case is not None and skip is None:  # a property about one case (not a malformed-input check)
             from flashcheck import repro
 
             where = repro.write(failure.case, origin_of(impl), item.nodeid, failure.full_message, who=impl.name)

@@ -26,6 +26,7 @@ class Test:
     last_layout: object = None  # the packed batch (strategies/varlen.py) the latest fitted case belongs to
     last_refusal: str | None = None  # why the latest case was rejected: shown when no case fits at all
     pin_reports: list[str] = field(default_factory=list)  # pins refitted or not run, reported after the test
+    no_reproducer: str | None = None  # why a failure of this test writes no reproducer (its inputs are not case.inputs())
 
 
 _CURRENT: contextvars.ContextVar[Test] = contextvars.ContextVar("flashcheck_test")

@@ -366,3 +366,18 @@ def test_a_dropout_reproducer_replays_the_property_that_failed(tmp_path, monkeyp
     assert f"property: {prop}" in capsys.readouterr().out
     other = repro.write(case, "torch-tiled", "properties/test_dropout.py::read_mask[torch-tiled]", "message")
     assert repro.main([str(other)]) == 2, "expected a dropout case it cannot judge to be refused"
+
+
+def test_a_test_whose_inputs_are_not_the_case_s_own_writes_no_reproducer(tmp_path):
+    """The scale property draws its inputs on the device: a reproducer of case.inputs() would replay
+    other numbers (and, past 2^31 elements, fill the host's memory). It says so instead."""
+    _kernel(tmp_path, tag="off-by-one", off_by=1)
+    (tmp_path / "elsewhere.py").write_text(
+        "import pytest\n\n\n@pytest.hookimpl(tryfirst=True)\ndef pytest_runtest_call(item):\n"
+        "    from flashcheck.strategies import context\n\n"
+        "    context.current().no_reproducer = 'inputs drawn elsewhere'\n")
+    run = _pytest(tmp_path, "-p", "elsewhere", "--impl", "my_attn.py:attention", "-k",
+                  "test_output_matches_dense_float64", env={"CI": "true", "PYTHONPATH": str(tmp_path)})
+    assert run.returncode == 1, run.stdout[-2000:]
+    assert "none: inputs drawn elsewhere" in run.stdout, run.stdout[-2000:]
+    assert not (tmp_path / "reproducers").exists(), "expected no reproducer folder"
