@@ -70,13 +70,16 @@ def test_giant_cases_match_float64_on_sampled_heads_and_rows(impl, target, causa
     note(f"target {target!r}: {case!r}, {case.batch * case.hq * case.sq * case.d:.3g} elements in q, "
          f"drawn on the device with torch.Generator seed {seed}")
     tensors = device_inputs(torch, case, seed)
+    judge_heads(impl, case, tensors, *run_on(torch, impl, case, tensors, "cuda"), seed)
+
+
+def run_on(torch, impl, case: Case, tensors, device):
+    """(O, LSE or None, dQ or None) of the call on the device tensors (q, k, v, dO)."""
     q, k, v, do = tensors
     grad = impl.has_backward
     q.requires_grad_(grad)
-    kw = call.kwargs_for(impl, case, tensor=lambda a: torch.from_numpy(a).to("cuda"))
+    kw = call.kwargs_for(impl, case, tensor=lambda a: torch.from_numpy(a).to(device))
     with torch.set_grad_enabled(grad):
         o, lse = call._split(impl, call._call(impl, case, q, k, v, **kw), impl.name)
-    dq = None
-    if grad:
-        (dq,) = torch.autograd.grad(o, q, do)
-    judge_heads(impl, case, tensors, o.detach(), None if lse is None else lse.detach(), dq, seed)
+    dq = torch.autograd.grad(o, q, do)[0] if grad else None
+    return o.detach(), None if lse is None else lse.detach(), dq

@@ -1,10 +1,9 @@
 """The scale region's machinery (strategies/scale.py, properties/test_scale.py) on CPU, at sizes a
 CPU runs: heads read back and judged by the sampled oracle, a wrong head named, cases halved to fit."""
-import numpy as np
 import pytest
 import torch
 
-from flashcheck.contract import call, load
+from flashcheck.contract import load
 from flashcheck.properties import test_scale as prop
 from flashcheck.strategies import AttentionCase as Case
 from flashcheck.strategies import scale
@@ -14,11 +13,7 @@ CASE = Case(batch=40, hq=4, hkv=2, sq=48, sk=40, d=16, dv=16, causal="top_left",
 
 def run(impl, case, seed=3):
     tensors = prop.device_inputs(torch, case, seed, device="cpu")
-    q, k, v, do = tensors
-    q.requires_grad_(True)
-    o, lse = call._split(impl, impl.fn(q, k, v, **call.kwargs_for(impl, case)), impl.name)
-    (dq,) = torch.autograd.grad(o, q, do)
-    return tensors, o.detach(), None if lse is None else lse.detach(), dq
+    return (tensors, *prop.run_on(torch, impl, case, tensors, "cpu"))
 
 
 def test_sampled_heads_of_a_correct_kernel_pass():
