@@ -1,8 +1,11 @@
 """Giant cases on CUDA (strategies/scale.py): past 65535 batch x heads, past 2^31 elements, 131072 tokens.
 
 The inputs are drawn on the device (a host copy of 2^31 float64 values would not fit); the truth is
-the sampled oracle's (flashcheck/oracle/sampled.py) on a few whole heads read back from the device,
-at their first and last rows, rows on both sides of drawn tile boundaries, and random rows.
+the sampled oracle's (flashcheck/oracle/sampled.py) on a few whole heads read back from the device.
+A head of at most WHOLE_HEAD scores is judged whole: every row of O, LSE and dQ, and every key of dK
+and dV. A longer head (the ``long`` target's 131072 x 131072) is judged at its first and last rows,
+rows on both sides of drawn tile boundaries, and random rows, for O, LSE and dQ alone: a key of dK
+or dV needs every row's softmax, O(Sq x Sk x D) on the host whichever keys are sampled.
 """
 import numpy as np
 import pytest
@@ -17,6 +20,7 @@ from flashcheck.strategies import scale
 
 pytestmark = [pytest.mark.properties, pytest.mark.requires("cuda", "dense")]
 HEADS = 4  # judged per case: the first, the last, and two drawn
+WHOLE_HEAD = 2**21  # scores per head judged whole on the host (1448 x 1448: about a second each)
 
 
 def device_inputs(torch, case: Case, seed: int, device="cuda"):
@@ -36,21 +40,44 @@ def heads_to_check(case: Case, seed: int) -> list[tuple[int, int]]:
     return sorted(picks)
 
 
-def judge_heads(impl, case: Case, tensors, o, lse, dq, seed: int, device_of=None):
-    """Each of heads_to_check's heads as a case of its own (B = H = 1, its inputs read back), at
-    sampled.rows_to_check's rows (16-row edges, 8 drawn tile boundaries, 8 random rows)."""
+def rows_judged(case: Case, seed: int) -> np.ndarray:
+    """Every row of a head of at most WHOLE_HEAD scores; else sampled.rows_to_check's (16-row edges,
+    8 drawn tile boundaries, 8 random rows)."""
+    if case.sq * case.sk <= WHOLE_HEAD:
+        return np.arange(case.sq)
+    return sampled.rows_to_check(case, block=16, random_rows=8, seed=seed, boundaries=8)
+
+
+def judge_heads(impl, case: Case, tensors, results: dict, seed: int):
+    """Each of heads_to_check's heads as a case of its own (B = 1, its inputs read back), at
+    rows_judged's rows; ``results``: run_on's, by name. O, LSE and dQ are judged on the query head;
+    dK and dV, where its rows are whole, on its kv head with every query head of its group."""
     group = case.hq // case.hkv
     one = case.replace(batch=1, hq=1, hkv=1)
-    rows = sampled.rows_to_check(one, block=16, random_rows=8, seed=seed, boundaries=8)
+    rows = rows_judged(one, seed)
     for b, h in heads_to_check(case, seed):
-        q, k, v, do = (np.asarray(t[b, i].detach().double().cpu())[None, None]
-                       for t, i in zip(tensors, (h, h // group, h // group, h)))
-        parts = sampled.parts(one, rows, inputs=(q, k, v, do))
         who = f"{impl.name} at batch {b}, head {h} of {case!r}"
-        for name, got in (("o", o), ("lse", lse), ("dq", dq)):
-            if got is not None:
-                at = np.asarray(got[b, h][rows].double().cpu())[None, None]
-                sampled.compare(one, name, at, rows, who=who, inputs=(q, k, v, do), parts_=parts)
+        _judge(one, rows, tensors, results, sampled.NAMES, b, range(h, h + 1), h // group, who)
+        if len(rows) == one.sq:
+            g = h // group
+            _judge(case.replace(batch=1, hq=group, hkv=1), rows, tensors, results, sampled.KEY_NAMES, b,
+                   range(g * group, (g + 1) * group), g, who + f", its kv head {g}")
+
+
+def _judge(part: Case, rows, tensors, results: dict, names, b: int, heads: range, kv: int, who: str):
+    """``names`` of ``results`` at batch ``b`` (query ``heads`` on kv head ``kv``), against the truth on
+    those heads' inputs read back from the device."""
+    def host(t, at):
+        return np.asarray(t[b, at].detach().double().cpu())[None]
+
+    qh, kvh = slice(heads.start, heads.stop), slice(kv, kv + 1)
+    inputs = tuple(host(t, at) for t, at in zip(tensors, (qh, kvh, kvh, qh)))
+    parts = sampled.parts(part, rows, inputs=inputs)
+    for name in names:
+        got = results.get(name)
+        if got is not None:
+            at = host(got, kvh) if name in sampled.KEY_NAMES else host(got, qh)[:, :, rows]
+            sampled.compare(part, name, at, rows, who=who, inputs=inputs, parts_=parts)
 
 
 @given(target=st.sampled_from(scale.targets()), causal=st.sampled_from((None, "bottom_right", "top_left")),
@@ -70,16 +97,18 @@ def test_giant_cases_match_float64_on_sampled_heads_and_rows(impl, target, causa
     note(f"target {target!r}: {case!r}, {case.batch * case.hq * case.sq * case.d:.3g} elements in q, "
          f"drawn on the device with torch.Generator seed {seed}")
     tensors = device_inputs(torch, case, seed)
-    judge_heads(impl, case, tensors, *run_on(torch, impl, case, tensors, "cuda"), seed)
+    judge_heads(impl, case, tensors, run_on(torch, impl, case, tensors, "cuda"), seed)
 
 
-def run_on(torch, impl, case: Case, tensors, device):
-    """(O, LSE or None, dQ or None) of the call on the device tensors (q, k, v, dO)."""
+def run_on(torch, impl, case: Case, tensors, device) -> dict:
+    """O, LSE, dQ, dK and dV of the call on the device tensors (q, k, v, dO), by name; None for LSE
+    where the kernel does not return it, and for the gradients without a backward."""
     q, k, v, do = tensors
     grad = impl.has_backward
-    q.requires_grad_(grad)
+    for t in (q, k, v):
+        t.requires_grad_(grad)
     kw = call.kwargs_for(impl, case, tensor=lambda a: torch.from_numpy(a).to(device))
     with torch.set_grad_enabled(grad):
         o, lse = call._split(impl, call._call(impl, case, q, k, v, **kw), impl.name)
-    dq = torch.autograd.grad(o, q, do)[0] if grad else None
-    return o.detach(), None if lse is None else lse.detach(), dq
+    dq, dk, dv = torch.autograd.grad(o, (q, k, v), do) if grad else (None,) * 3
+    return {"o": o.detach(), "lse": None if lse is None else lse.detach(), "dq": dq, "dk": dk, "dv": dv}

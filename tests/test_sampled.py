@@ -88,3 +88,21 @@ def test_a_wrong_sampled_row_fails_and_the_message_names_its_row_in_the_whole_ca
 def test_what_the_sampled_oracle_cannot_judge_is_refused_by_name(case, name, why):
     with pytest.raises(ValueError, match=why):
         sampled.allowed(case, name, _rows(case))
+
+
+@pytest.mark.parametrize("case", CASES[:3] + CASES[-3:], ids=lambda c: f"{c.dtype}-{c.regime}-{'+'.join(c.features) or 'plain'}")
+def test_with_every_row_dk_and_dv_get_the_dense_oracles_truth_and_bound(case):
+    rows = np.arange(case.sq)
+    truth, terms = sampled.parts(case, rows)
+    for name in sampled.KEY_NAMES:
+        want, limit = orc.truth(case)[name], np.broadcast_to(orc.allowed(case, name), orc.truth(case)[name].shape)
+        assert np.allclose(truth[name], want, rtol=1e-12, atol=1e-300), f"{name}: expected the dense truth"
+        got_limit = sampled.allowed(case, name, rows, truth, terms)
+        assert np.allclose(got_limit, limit, rtol=1e-9, atol=0), (
+            f"{name}: expected the dense oracle's allowed error, worst ratio {float(np.max(got_limit / limit)):.6g}")
+
+
+def test_dk_and_dv_at_a_subset_of_the_rows_are_refused_by_name():
+    case = CASES[0]
+    with pytest.raises(ValueError, match="dk sums over every query row, and 3 of 37 rows were sampled"):
+        sampled.entries(case, "dk", np.zeros((2, 2, 29, 8)), np.arange(3))

@@ -13,22 +13,33 @@ CASE = Case(batch=40, hq=4, hkv=2, sq=48, sk=40, d=16, dv=16, causal="top_left",
 
 def run(impl, case, seed=3):
     tensors = prop.device_inputs(torch, case, seed, device="cpu")
-    return (tensors, *prop.run_on(torch, impl, case, tensors, "cpu"))
+    return tensors, prop.run_on(torch, impl, case, tensors, "cpu")
 
 
-def test_sampled_heads_of_a_correct_kernel_pass():
+@pytest.mark.parametrize("whole", [True, False], ids=["whole-heads", "sampled-rows"])
+def test_sampled_heads_of_a_correct_kernel_pass(whole, monkeypatch):
+    monkeypatch.setattr(prop, "WHOLE_HEAD", CASE.sq * CASE.sk if whole else CASE.sq * CASE.sk - 1)
     impl = load("sdpa-math")
-    tensors, o, lse, dq = run(impl, CASE)
-    prop.judge_heads(impl, CASE, tensors, o, lse, dq, seed=3)
+    tensors, results = run(impl, CASE)
+    prop.judge_heads(impl, CASE, tensors, results, seed=3)
 
 
-def test_a_wrong_entry_in_a_judged_head_fails_and_the_message_names_the_head():
+@pytest.mark.parametrize("name, at", [("o", (-1, 0)), ("dq", (-1, 3)), ("dk", (0, 1)), ("dv", (CASE.sk - 1, 2))])
+def test_a_wrong_entry_in_a_judged_head_fails_and_the_message_names_the_head(name, at):
     impl = load("sdpa-math")
-    tensors, o, lse, dq = run(impl, CASE)
+    tensors, results = run(impl, CASE)
     b, h = prop.heads_to_check(CASE, 3)[-1]
-    o[b, h, CASE.sq - 1, 0] += 1e-3  # the last row is always checked
-    with pytest.raises(AssertionError, match=f"batch {b}, head {h} of"):
-        prop.judge_heads(impl, CASE, tensors, o, lse, dq, seed=3)
+    results[name][b, h // 2 if name in ("dk", "dv") else h][at] += 1e-2  # whole heads: every row and key is judged
+    where = f"batch {b}, head {h} of.*kv head {h // 2}" if name in ("dk", "dv") else f"batch {b}, head {h} of"
+    with pytest.raises(AssertionError, match=f"(?s){where}.* {name} "):
+        prop.judge_heads(impl, CASE, tensors, results, seed=3)
+
+
+def test_a_head_longer_than_whole_head_is_judged_at_sampled_rows():
+    long = CASE.replace(sq=3000, sk=1000)
+    rows = prop.rows_judged(long, seed=3)
+    assert 0 < len(rows) < long.sq and {0, long.sq - 1} <= set(rows), rows
+    assert list(prop.rows_judged(CASE, seed=3)) == list(range(CASE.sq)), "expected a small head judged whole"
 
 
 def test_heads_to_check_hold_the_first_and_the_last():

@@ -5,13 +5,15 @@ O, LSE and dQ of a query row depend on that row alone (its q, dO, mask and bias 
 key), and so does every term of their bounds (bounds.py: the row's own scores, its P, its LSE, its
 D = rowsum(dO O)). So the rule, applied to a problem holding only the sampled rows, gives those rows
 exactly the bound it gives them in the whole problem, at O(rows x Sk x D) instead of O(Sq x Sk x D)
-(tests/test_sampled.py checks the verdicts against the dense oracle's, entry by entry). dK and dV
-sum over every query row; sampling their keys needs every row's softmax at those keys, which this
-module does not do.
+(tests/test_sampled.py checks the verdicts against the dense oracle's, entry by entry).
+
+dK and dV sum over every query row, and each term of their bounds needs that row's whole softmax
+(its LSE, its D): a key costs O(Sq x Sk x D) whichever keys are sampled. So they are judged only
+when the rows hold every query row (a whole head read back from a device, properties/test_scale.py).
 
 What it cannot judge, it refuses by name: the naive rule (it needs plain dense attention in t on
-the whole problem), dropout (the keep mask is the kernel's) and the results that are sums over
-rows (dK, dV, the sinks' and the bias's gradients).
+the whole problem), dropout (the keep mask is the kernel's), dK and dV at a subset of the rows,
+and the sinks' and the bias's gradients (sums over rows and heads).
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from flashcheck.oracle import rule
 from flashcheck.strategies.case import AttentionCase
 
 NAMES = ("o", "lse", "dq")  # the results that are functions of one query row
+KEY_NAMES = ("dk", "dv")  # sums over every query row: judged only when the rows are all of them
 
 
 def rows_to_check(case: AttentionCase, block: int = 128, random_rows: int = 16, seed: int = 0,
@@ -39,10 +42,11 @@ def rows_to_check(case: AttentionCase, block: int = 128, random_rows: int = 16, 
     return np.unique(chosen[(chosen >= 0) & (chosen < sq)])
 
 
-def _refuse(case: AttentionCase, name: str):
+def _refuse(case: AttentionCase, name: str, rows: np.ndarray):
     why = ("the naive rule needs plain dense attention in t on the whole problem" if case.precision == "naive"
            else "dropout's keep mask is the kernel's" if case.dropout_p
-           else None if name in NAMES else f"{name} sums over every query row")
+           else None if name in NAMES or (name in KEY_NAMES and len(rows) == case.sq)
+           else f"{name} sums over every query row, and {len(rows)} of {case.sq} rows were sampled")
     if why:
         raise ValueError(f"the sampled oracle cannot judge {name} of {case!r}: {why}")
 
@@ -71,15 +75,15 @@ def _row_kwargs(case: AttentionCase, rows: np.ndarray) -> dict:
 
 
 def parts(case: AttentionCase, rows: np.ndarray, inputs=None):
-    """(truth, bounds): the float64 O, LSE and dQ at ``rows`` (B, Hq, R, .), and the rule's rounding terms;
-    ``inputs``: (q, k, v, dO) as float64 arrays, where not the case's own (a head read off a device)."""
+    """(truth, bounds): the float64 O, LSE and dQ at ``rows`` (B, Hq, R, .), dK and dV where ``rows`` are
+    every row, and the rule's rounding terms; ``inputs``: (q, k, v, dO) as float64 arrays, where not the case's own (a head read off a device)."""
     q, k, v, do = case.inputs() if inputs is None else inputs
     q, do = q[:, :, rows], do[:, :, rows]
     kw = _row_kwargs(case, rows)
     probs = reference.dense_probs(q, k, v, who="sampled oracle", **kw)
     kw.pop("rows")
     o, lse = reference.dense_forward(q, k, v, probs=probs, **kw)
-    dq = reference.dense_backward(q, k, v, o, lse, do, probs=probs, **kw)[0]
+    dq, dk, dv = reference.dense_backward(q, k, v, o, lse, do, probs=probs, **kw)[:3]
     p, lse_g, (qg, kg, vg, sc, _), extra = probs
     vis = case.visible_grouped(rows)
     s = np.where(vis, extra["s"], 0.0)
@@ -90,12 +94,13 @@ def parts(case: AttentionCase, rows: np.ndarray, inputs=None):
     with np.errstate(over="ignore"):
         terms = bounds.rounding_bounds(_Rows(case, rows, vis), pt, (dp, dp_minus_d, p * dp_minus_d),
                                        rule.half_spacing)
-    return {"o": o, "lse": lse, "dq": dq}, terms
+    truth = {"o": o, "lse": lse, "dq": dq}
+    return (truth | {"dk": dk, "dv": dv} if len(rows) == case.sq else truth), terms
 
 
 def allowed(case: AttentionCase, name: str, rows: np.ndarray, truth=None, terms=None, inputs=None) -> np.ndarray:
     """The rule's allowed error at ``rows`` of result ``name`` (rule.allowed, cut to those rows)."""
-    _refuse(case, name)
+    _refuse(case, name, rows)
     if truth is None or terms is None:
         truth, terms = parts(case, rows, inputs)
     floor = rule.half_spacing(truth[name], rule.result_dtype(case.dtype, name)) * (1 + 2 * rule.ULP_FLOOR)
@@ -105,6 +110,7 @@ def allowed(case: AttentionCase, name: str, rows: np.ndarray, truth=None, terms=
 def entries(case: AttentionCase, name: str, got: np.ndarray, rows: np.ndarray, inputs=None, parts_=None) -> rule.Entries:
     """``got``, result ``name`` at ``rows`` only (B, Hq, R, .), entry by entry under the rule; ``parts_``:
     parts()'s answer for these rows, where already computed."""
+    _refuse(case, name, rows)
     truth, terms = parts_ or parts(case, rows, inputs)
     return rule.entries(case, name, got, want=truth[name], budget=allowed(case, name, rows, truth, terms))
 
@@ -119,7 +125,7 @@ def compare(case: AttentionCase, name: str, got: np.ndarray, rows: np.ndarray, w
     with np.errstate(over="ignore", invalid="ignore"):
         ratio = np.where(e.nonfinite, np.inf, e.err / np.maximum(e.limit, 1e-300))
     idx = np.unravel_index(int(np.argmax(np.where(e.wrong, ratio, -1.0))), ratio.shape)
-    at = idx[:2] + (int(rows[idx[2]]),) + idx[3:]
+    at = idx if name in KEY_NAMES else idx[:2] + (int(rows[idx[2]]),) + idx[3:]  # a key's index is its own
     raise AssertionError(
         f"{label}: {int(e.wrong.sum())} of {e.err.size} sampled entries off by more than allowed; worst at "
         f"{tuple(int(i) for i in at)}: expected {float(e.want[idx])!r}, got {float(got[idx])!r}, error "
