@@ -90,11 +90,15 @@ def test_what_the_sampled_oracle_cannot_judge_is_refused_by_name(case, name, why
         sampled.allowed(case, name, _rows(case))
 
 
-@pytest.mark.parametrize("case", CASES[:3] + CASES[-3:], ids=lambda c: f"{c.dtype}-{c.regime}-{'+'.join(c.features) or 'plain'}")
-def test_with_every_row_dk_and_dv_get_the_dense_oracles_truth_and_bound(case):
+WHOLE = CASES[:3] + CASES[-3:] + [CASES[1].replace(precision="naive"), CASES[-3].replace(precision="naive")]
+
+
+@pytest.mark.parametrize("case", WHOLE, ids=lambda c: f"{c.dtype}-{c.regime}-{'+'.join(c.features) or 'plain'}-{c.precision}")
+def test_with_every_row_every_result_gets_the_dense_oracles_truth_and_bound(case):
+    """dK and dV, and the naive rule, which the sampled oracle judges only when the rows are all of them."""
     rows = np.arange(case.sq)
     truth, terms = sampled.parts(case, rows)
-    for name in sampled.KEY_NAMES:
+    for name in sampled.NAMES + sampled.KEY_NAMES:
         want, limit = orc.truth(case)[name], np.broadcast_to(orc.allowed(case, name), orc.truth(case)[name].shape)
         assert np.allclose(truth[name], want, rtol=1e-12, atol=1e-300), f"{name}: expected the dense truth"
         got_limit = sampled.allowed(case, name, rows, truth, terms)

@@ -24,6 +24,17 @@ def test_sampled_heads_of_a_correct_kernel_pass(whole, monkeypatch):
     prop.judge_heads(impl, CASE, tensors, results, seed=3)
 
 
+def test_whole_heads_of_a_kernel_held_to_the_naive_rule_are_judged_by_it():
+    """SDPA's math and efficient backends on CUDA declare precision="naive" (the scale region's
+    first H200 run failed them: the sampled oracle refused that rule)."""
+    impl, case = load("sdpa-math"), CASE.replace(dtype="float16", precision="naive")
+    tensors, results = run(impl, case)
+    prop.judge_heads(impl, case, tensors, results, seed=3)
+    results["dv"][0, 0, 3, 1] += 0.5
+    with pytest.raises(AssertionError, match="dv"):
+        prop.judge_heads(impl, case, tensors, results, seed=3)
+
+
 @pytest.mark.parametrize("name, at", [("o", (-1, 0)), ("dq", (-1, 3)), ("dk", (0, 1)), ("dv", (CASE.sk - 1, 2))])
 def test_a_wrong_entry_in_a_judged_head_fails_and_the_message_names_the_head(name, at):
     impl = load("sdpa-math")

@@ -156,12 +156,13 @@ def model(case: AttentionCase) -> dict:
     return fused(q, k, v, do, case.visible_grouped(), _parts(case).scale, Precision.of(case.dtype, case.precision))
 
 
-def _dense_torch(case: AttentionCase, dtype: str) -> dict:
-    """Plain dense attention and its autograd gradients, computed in ``dtype`` by PyTorch on CPU."""
+def _dense_torch(case: AttentionCase, dtype: str, inputs=None) -> dict:
+    """Plain dense attention and its autograd gradients, computed in ``dtype`` by PyTorch on CPU;
+    ``inputs``: (q, k, v, dO) as float64 arrays, where not the case's own."""
     import torch
 
     dt = getattr(torch, dtype)
-    q, k, v, do = (torch.from_numpy(x).to(dt).requires_grad_() for x in case.inputs())
+    q, k, v, do = (torch.from_numpy(x).to(dt).requires_grad_() for x in (inputs or case.inputs()))
     g = case.hq // case.hkv
     kk, vv = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
     s = (q @ kk.transpose(-1, -2)) * case.effective_scale
@@ -232,11 +233,16 @@ def _rounding_bounds(case: AttentionCase) -> dict:
 def _naive_allowed(case: AttentionCase) -> dict:
     """The rule for precision="naive": k x the error of plain dense attention in t, plus a floor of
     8 (eps(acc)(1 + L) + eps(t)) M, where M is the size of the sum in absolute values."""
-    t, pt = truth(case), _parts(case)
-    plain = _dense_torch(case, case.dtype)
+    return naive_terms(case, truth(case), _parts(case))
+
+
+def naive_terms(case: AttentionCase, t: Truth, pt: _Parts, inputs=None) -> dict:
+    """_naive_allowed's terms from the truth and parts given: those of ``inputs`` (q, k, v, dO as
+    float64 arrays) where given, a whole head read back from a device (sampled.py)."""
+    plain = _dense_torch(case, case.dtype, inputs)
     broken = [n for n in plain if (np.isfinite(t[n]) & ~np.isfinite(plain[n])).any()]
     if broken:  # plain dense overflows in t: float32 rounded to t stands in as the yardstick
-        wide = _dense_torch(case, "float32")
+        wide = _dense_torch(case, "float32", inputs)
         plain.update({n: quantize(wide[n], result_dtype(case.dtype, n)) for n in broken})
     p, ado, sc = pt.p, np.abs(pt.do), abs(pt.scale)
     abs_ds = p * (ado @ _swap(np.abs(pt.v)) + np.abs((pt.do * pt.o).sum(-1))[..., None])

@@ -11,8 +11,8 @@ dK and dV sum over every query row, and each term of their bounds needs that row
 (its LSE, its D): a key costs O(Sq x Sk x D) whichever keys are sampled. So they are judged only
 when the rows hold every query row (a whole head read back from a device, properties/test_scale.py).
 
-What it cannot judge, it refuses by name: the naive rule (it needs plain dense attention in t on
-the whole problem), dropout (the keep mask is the kernel's), dK and dV at a subset of the rows,
+What it cannot judge, it refuses by name: the naive rule at a subset of the rows (it needs plain
+dense attention in t on the whole problem), dropout (the keep mask is the kernel's), dK and dV at a subset of the rows,
 and the sinks' and the bias's gradients (sums over rows and heads).
 """
 from __future__ import annotations
@@ -43,7 +43,8 @@ def rows_to_check(case: AttentionCase, block: int = 128, random_rows: int = 16, 
 
 
 def _refuse(case: AttentionCase, name: str, rows: np.ndarray):
-    why = ("the naive rule needs plain dense attention in t on the whole problem" if case.precision == "naive"
+    why = ("the naive rule needs plain dense attention in t on the whole problem, and "
+           f"{len(rows)} of {case.sq} rows were sampled" if case.precision == "naive" and len(rows) < case.sq
            else "dropout's keep mask is the kernel's" if case.dropout_p
            else None if name in NAMES or (name in KEY_NAMES and len(rows) == case.sq)
            else f"{name} sums over every query row, and {len(rows)} of {case.sq} rows were sampled")
@@ -83,7 +84,7 @@ def parts(case: AttentionCase, rows: np.ndarray, inputs=None):
     probs = reference.dense_probs(q, k, v, who="sampled oracle", **kw)
     kw.pop("rows")
     o, lse = reference.dense_forward(q, k, v, probs=probs, **kw)
-    dq, dk, dv = reference.dense_backward(q, k, v, o, lse, do, probs=probs, **kw)[:3]
+    dq, dk, dv, *rest = reference.dense_backward(q, k, v, o, lse, do, probs=probs, **kw)
     p, lse_g, (qg, kg, vg, sc, _), extra = probs
     vis = case.visible_grouped(rows)
     s = np.where(vis, extra["s"], 0.0)
@@ -95,7 +96,14 @@ def parts(case: AttentionCase, rows: np.ndarray, inputs=None):
         terms = bounds.rounding_bounds(_Rows(case, rows, vis), pt, (dp, dp_minus_d, p * dp_minus_d),
                                        rule.half_spacing)
     truth = {"o": o, "lse": lse, "dq": dq}
-    return (truth | {"dk": dk, "dv": dv} if len(rows) == case.sq else truth), terms
+    if len(rows) < case.sq:
+        return truth, terms
+    if case.precision == "naive":  # a naive kernel has the fused one's roundings too (rule.allowed)
+        t = rule.Truth(o, lse, dq, dk, dv, rest[0] if case.sinks is not None else None,
+                       float(np.abs(s).max(initial=0)), rest[-1] if case.bias is not None else None)
+        naive = rule.naive_terms(case, t, pt, (q, k, v, do))
+        terms = {n: terms[n] + naive[n] for n in terms}
+    return truth | {"dk": dk, "dv": dv}, terms
 
 
 def allowed(case: AttentionCase, name: str, rows: np.ndarray, truth=None, terms=None, inputs=None) -> np.ndarray:
