@@ -43,11 +43,26 @@ def nbytes(case: AttentionCase, backward: bool) -> int:
     return int((held * t + case.batch * case.hq * case.sq * 4) * 1.25 + 4 * max(q, kv, o))
 
 
+def halved(case: AttentionCase) -> AttentionCase | None:
+    """``case`` at half the batch, or once the batch is 1 at half the lengths; None at the smallest."""
+    if case.batch > 1:
+        return case.replace(batch=case.batch // 2)
+    if case.sq > 16:
+        return case.replace(sq=max(16, case.sq // 2), sk=max(16, case.sk // 2))
+    return None
+
+
 def fitted_to_memory(case: AttentionCase, free: int, backward: bool) -> AttentionCase:
-    """``case`` halved (batch first, then both lengths) until it fits in ``free`` bytes."""
-    while nbytes(case, backward) > free and (case.batch > 1 or case.sq > 16):
-        if case.batch > 1:
-            case = case.replace(batch=case.batch // 2)
-        else:
-            case = case.replace(sq=max(16, case.sq // 2), sk=max(16, case.sk // 2))
+    """``case`` halved until it fits in ``free`` bytes (or cannot be halved further)."""
+    while nbytes(case, backward) > free and halved(case) is not None:
+        case = halved(case)
     return case
+
+
+def tiles(impl) -> tuple[int, ...]:
+    """The tile sizes a giant case runs at: the kernel's declared ones; 256 for a kernel that takes
+    any (at 131072 tokens its tiles' boundaries are still crossed 512 times, and 16-row tiles would
+    keep a tiled loop in Python busy for hours); 16 where the kernel picks its own (unused)."""
+    if isinstance(impl.blocks, tuple):
+        return impl.blocks
+    return (256,) if impl.blocks == "any" else (16,)

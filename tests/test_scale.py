@@ -73,3 +73,17 @@ def test_the_targets_pass_the_limits_they_are_named_for():
     assert grid.batch * grid.hq > 65535
     assert elements.batch * elements.hq * elements.sq * elements.d > 2**31
     assert long.sq == long.sk == 131072
+
+
+def test_giant_cases_run_at_the_kernels_declared_tiles():
+    assert scale.tiles(load("triton-fused")) == load("triton-fused").blocks
+    assert scale.tiles(load("torch-tiled")) == (256,), "a kernel that takes any tile runs at 256: 16 would take hours"
+    assert scale.tiles(load("sdpa-math")) == (16,)
+
+
+def test_halving_reaches_the_smallest_case_and_stops():
+    case, steps = Case(**scale.TARGETS["long"]), 0
+    while (smaller := scale.halved(case)) is not None:
+        assert smaller.sq < case.sq or smaller.batch < case.batch, (case, smaller)
+        case, steps = smaller, steps + 1
+    assert (case.batch, case.sq, case.sk) == (1, 16, 16) and steps == 13, (case, steps)
