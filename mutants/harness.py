@@ -36,15 +36,17 @@ class Verdict:
     output: str = ""
 
 
-def run_suite(spec: str, pins: bool = True, timeout: float = 600, files=FILES, shrink: bool = True) -> Verdict:
-    """``pytest -m properties -x --impl SPEC`` under the ci profile, in a fresh process.
+def run_suite(spec: str, pins: bool = True, timeout: float = 600, files=FILES, shrink: bool = True,
+              profile: str = "ci") -> Verdict:
+    """``pytest -m properties -x --impl SPEC`` under ``profile`` (the ci one unless a mutant shows
+    only in another's draws: gpu-scale's giant cases), in a fresh process.
 
     ``pins=False`` drops the @example pins: the kill must then come from generated cases
     and the case reported is what the shrinker reached; ``shrink=False`` reports the first
     failing case as found (a kill that is not held to a small case needs no shrinking).
     """
     with tempfile.TemporaryDirectory() as repro_dir:
-        env = {**os.environ, "CI": "true", "FLASHCHECK_PROFILE": "ci", "FLASHCHECK_REPRO_DIR": repro_dir}
+        env = {**os.environ, "CI": "true", "FLASHCHECK_PROFILE": profile, "FLASHCHECK_REPRO_DIR": repro_dir}
         env.pop("FLASHCHECK_IMPL", None)
         env.pop("FLASHCHECK_SKIP_EXAMPLES", None)
         if not pins:
@@ -70,7 +72,7 @@ def outcomes(specs, files, *args, pins: bool = True, timeout: float = 600) -> tu
     profile) and return ({test id: (outcome, message)}, the whole output). A failure's message
     is the whole report a user reads (the plugin's short report), not only its first line."""
     with tempfile.TemporaryDirectory() as tmp:
-        env = {**os.environ, "CI": "true", "FLASHCHECK_PROFILE": "ci", "FLASHCHECK_REPRO_DIR": tmp}
+        env = {**os.environ, "CI": "true", "FLASHCHECK_PROFILE": profile, "FLASHCHECK_REPRO_DIR": tmp}
         for name in ("FLASHCHECK_IMPL", "FLASHCHECK_SKIP_EXAMPLES"):
             env.pop(name, None)
         if not pins:

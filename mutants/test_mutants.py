@@ -8,6 +8,7 @@ import os
 import pytest
 
 from flashcheck.contract import call
+from flashcheck.strategies import scale
 from mutants import features, fixed_tiles, harness, kvcache, launch, masks, outputs, precision, races, strides, tiled, varlen
 
 try:
@@ -96,7 +97,8 @@ def test_mutant_is_killed_with_a_small_case(spec, what, pins):
     # Their kills are on 2048-long pins and not held to a small case: shrinking those costs minutes
     # of float64 truths and proves nothing here, so they report the first failing case.
     precise = (spec, what) in PRECISION or (spec, what) in SCALE  # their cases are large by nature
-    verdict = harness.run_suite(spec, pins=pins or precise, files=_files(spec), shrink=not precise)
+    verdict = harness.run_suite(spec, pins=pins or precise, files=_files(spec), shrink=not precise,
+                                profile=scale.NIGHTLY if (spec, what) in SCALE else "ci")
     RESULTS.append((spec, what, pins, verdict))
     assert verdict.killed, f"{spec} ({what}) survived the property suite:\n{verdict.output[-2000:]}"
     assert verdict.case, f"{spec} was killed by {verdict.test} but no shrunk case was reported"

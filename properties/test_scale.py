@@ -80,8 +80,8 @@ def _judge(part: Case, rows, tensors, results: dict, names, b: int, heads: range
             sampled.compare(part, name, at, rows, who=who, inputs=inputs, parts_=parts)
 
 
-@given(target=st.sampled_from(scale.targets()), causal=st.sampled_from((None, "bottom_right", "top_left")),
-       seed=st.integers(0, 2**16), data=st.data())
+@pytest.mark.parametrize("target", scale.targets())  # each target a test of its own: none is left undrawn
+@given(causal=st.sampled_from((None, "bottom_right", "top_left")), seed=st.integers(0, 2**16), data=st.data())
 def test_giant_cases_match_float64_on_sampled_heads_and_rows(impl, target, causal, seed, data):
     import torch
 
