@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from flashcheck import strategies as fs
 from flashcheck.contract import call
-from flashcheck.oracle import sampled
+from flashcheck.oracle import sampled, yardstick
 from flashcheck.strategies import AttentionCase as Case
 from flashcheck.strategies import scale
 
@@ -72,7 +72,12 @@ def _judge(part: Case, rows, tensors, results: dict, names, b: int, heads: range
 
     qh, kvh = slice(heads.start, heads.stop), slice(kv, kv + 1)
     inputs = tuple(host(t, at) for t, at in zip(tensors, (qh, kvh, kvh, qh)))
-    parts = sampled.parts(part, rows, inputs=inputs)
+    naive = None
+    if part.precision == "naive" and len(rows) < part.sq:  # the rule's yardstick, on the device, row chunk by chunk
+        import torch
+
+        naive = yardstick.naive_terms(torch, part, *(t[b, at] for t, at in zip(tensors, (qh, kv, kv, qh))))
+    parts = sampled.parts(part, rows, inputs=inputs, naive=naive)
     for name in names:
         got = results.get(name)
         if got is not None:

@@ -24,14 +24,17 @@ def test_sampled_heads_of_a_correct_kernel_pass(whole, monkeypatch):
     prop.judge_heads(impl, CASE, tensors, results, seed=3)
 
 
-def test_whole_heads_of_a_kernel_held_to_the_naive_rule_are_judged_by_it():
+@pytest.mark.parametrize("whole", [True, False], ids=["whole-heads", "sampled-rows"])
+def test_heads_of_a_kernel_held_to_the_naive_rule_are_judged_by_it(whole, monkeypatch):
     """SDPA's math and efficient backends on CUDA declare precision="naive" (the scale region's
     first H200 run failed them: the sampled oracle refused that rule)."""
+    monkeypatch.setattr(prop, "WHOLE_HEAD", CASE.sq * CASE.sk if whole else CASE.sq * CASE.sk - 1)
     impl, case = load("sdpa-math"), CASE.replace(dtype="float16", precision="naive")
     tensors, results = run(impl, case)
     prop.judge_heads(impl, case, tensors, results, seed=3)
-    results["dv"][0, 0, 3, 1] += 0.5
-    with pytest.raises(AssertionError, match="dv"):
+    name = "dv" if whole else "o"
+    results[name][0, 0, -1, 1] += 0.5  # the first head and the last row are always judged
+    with pytest.raises(AssertionError, match=f" {name} "):
         prop.judge_heads(impl, case, tensors, results, seed=3)
 
 

@@ -11,8 +11,8 @@ dK and dV sum over every query row, and each term of their bounds needs that row
 (its LSE, its D): a key costs O(Sq x Sk x D) whichever keys are sampled. So they are judged only
 when the rows hold every query row (a whole head read back from a device, properties/test_scale.py).
 
-What it cannot judge, it refuses by name: the naive rule at a subset of the rows (it needs plain
-dense attention in t on the whole problem), dropout (the keep mask is the kernel's), dK and dV at a subset of the rows,
+What it cannot judge, it refuses by name: the naive rule at a subset of the rows unless given its
+whole-problem terms (it needs plain dense attention in t on the whole problem: yardstick.py), dropout (the keep mask is the kernel's), dK and dV at a subset of the rows,
 and the sinks' and the bias's gradients (sums over rows and heads).
 """
 from __future__ import annotations
@@ -43,9 +43,7 @@ def rows_to_check(case: AttentionCase, block: int = 128, random_rows: int = 16, 
 
 
 def _refuse(case: AttentionCase, name: str, rows: np.ndarray):
-    why = ("the naive rule needs plain dense attention in t on the whole problem, and "
-           f"{len(rows)} of {case.sq} rows were sampled" if case.precision == "naive" and len(rows) < case.sq
-           else "dropout's keep mask is the kernel's" if case.dropout_p
+    why = ("dropout's keep mask is the kernel's" if case.dropout_p
            else None if name in NAMES or (name in KEY_NAMES and len(rows) == case.sq)
            else f"{name} sums over every query row, and {len(rows)} of {case.sq} rows were sampled")
     if why:
@@ -75,9 +73,14 @@ def _row_kwargs(case: AttentionCase, rows: np.ndarray) -> dict:
     return kw | {"rows": (rows, case.sq)}
 
 
-def parts(case: AttentionCase, rows: np.ndarray, inputs=None):
+def parts(case: AttentionCase, rows: np.ndarray, inputs=None, naive: dict | None = None):
     """(truth, bounds): the float64 O, LSE and dQ at ``rows`` (B, Hq, R, .), dK and dV where ``rows`` are
-    every row, and the rule's rounding terms; ``inputs``: (q, k, v, dO) as float64 arrays, where not the case's own (a head read off a device)."""
+    every row, and the rule's rounding terms; ``inputs``: (q, k, v, dO) as float64 arrays, where not the
+    case's own (a head read off a device). Under the naive rule at a subset of the rows, ``naive`` gives its
+    whole-problem terms for O, LSE and dQ (yardstick.naive_terms, computed where the inputs lie)."""
+    if case.precision == "naive" and len(rows) < case.sq and naive is None:
+        raise ValueError(f"the sampled oracle cannot judge {case!r} at {len(rows)} of its {case.sq} rows: the naive "
+                         "rule needs plain dense attention in t on the whole problem (yardstick.naive_terms)")
     q, k, v, do = case.inputs() if inputs is None else inputs
     q, do = q[:, :, rows], do[:, :, rows]
     kw = _row_kwargs(case, rows)
@@ -97,7 +100,7 @@ def parts(case: AttentionCase, rows: np.ndarray, inputs=None):
                                        rule.half_spacing)
     truth = {"o": o, "lse": lse, "dq": dq}
     if len(rows) < case.sq:
-        return truth, terms
+        return truth, terms if case.precision != "naive" else {n: terms[n] + naive[n] for n in NAMES}
     if case.precision == "naive":  # a naive kernel has the fused one's roundings too (rule.allowed)
         t = rule.Truth(o, lse, dq, dk, dv, rest[0] if case.sinks is not None else None,
                        float(np.abs(s).max(initial=0)), rest[-1] if case.bias is not None else None)
