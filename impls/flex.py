@@ -34,7 +34,7 @@ import warnings
 
 import torch
 
-from flashcheck.contract import KnownIssue, implementation
+from flashcheck.contract import KnownIssue, implementation, launch
 from flashcheck.contract.checks import alignment, check_features, check_inputs, offset
 
 try:
@@ -62,13 +62,8 @@ class RanEager(RuntimeError):
 
 
 def _limits():
-    """dynamo's config patch: raised recompile limits, and an error where it would fall back to eager.
-    (Older torch spells them cache_size_limit, accumulated_cache_size_limit, fail_on_cache_limit_hit.)"""
-    cfg = torch._dynamo.config
-    settings = {("recompile_limit", "cache_size_limit"): RECOMPILE_LIMIT,
-                ("accumulated_recompile_limit", "accumulated_cache_size_limit"): RECOMPILE_LIMIT,
-                ("fail_on_recompile_limit_hit", "fail_on_cache_limit_hit"): True}
-    return cfg.patch(**{next(n for n in names if hasattr(cfg, n)): value for names, value in settings.items()})
+    """dynamo's config patch: raised recompile limits, and an error where it would fall back to eager."""
+    return launch.compile_limits(RECOMPILE_LIMIT)
 
 
 class Compiled:

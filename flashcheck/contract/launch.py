@@ -117,9 +117,26 @@ def compiled(impl, case, q, k, v, *, device) -> call.Result:
     import torch
 
     kw = call.kwargs_for(impl, case, tensor=lambda a: torch.from_numpy(a).to(device))
-    # a fresh compile per call: past dynamo's recompile limit (8 shapes) torch silently runs eager
-    torch._dynamo.reset()
     fn = torch.compile(impl.fn, fullgraph=False, dynamic=False, backend="inductor" if device == "cuda" else "aot_eager")
-    with torch.no_grad():
+    # past dynamo's recompile limit (8 shapes of one function) torch silently runs eager: the limit is
+    # raised and a hit is an error. (torch._dynamo.reset() would do it too, but it drops every graph the
+    # process holds, a compiled FlexAttention's among them, and they would all compile again.)
+    with torch.no_grad(), compile_limits(COMPILE_LIMIT):
         out = fn(*_tensors(torch, impl, case, (q, k, v), device), **kw)
     return _result(impl, case, out, q, v)
+
+
+COMPILE_LIMIT = 1024  # far above what one run compiles of one function, and still finite
+
+
+def compile_limits(limit: int):
+    """dynamo's config patch: recompile limits raised to ``limit``, and an error where dynamo would fall
+    back to eager. (Older torch spells them cache_size_limit, accumulated_cache_size_limit,
+    fail_on_cache_limit_hit.)"""
+    import torch
+
+    cfg = torch._dynamo.config
+    settings = {("recompile_limit", "cache_size_limit"): limit,
+                ("accumulated_recompile_limit", "accumulated_cache_size_limit"): limit,
+                ("fail_on_recompile_limit_hit", "fail_on_cache_limit_hit"): True}
+    return cfg.patch(**{next(n for n in names if hasattr(cfg, n)): value for names, value in settings.items()})
