@@ -17,6 +17,7 @@ MODULES = (
     ("flashcheck.impls.sdpa", ["sdpa-math", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn"]),
     ("flashcheck.impls.flex", ["flex"]),
     ("flashcheck.impls.flex_varlen", ["flex-varlen"]),
+    ("flashcheck.impls.flex_paged", ["flex-paged"]),
     ("flashcheck.impls.jax_attn", ["jax-xla", "jax-cudnn", "jax-pallas"]),
 )
 

@@ -106,11 +106,26 @@ def cached_batches(draw, impl=None, append=None, **case_kw):
     if getattr(impl, "paged", False):
         sizes = impl.page_sizes or PAGE_SIZES
         order = draw(st.one_of(st.none(), st.integers(0, 2**16)), label="block order")
-        c = c.replace(page_size=draw(st.sampled_from(sizes), label="page size"), order=order)
+        # a kernel that takes both layouts gets contiguous caches too (None: first, where shrinking goes)
+        both = (None,) if getattr(impl, "contiguous_cache", True) else ()
+        page = draw(st.sampled_from(both + tuple(sizes)), label="page size")
+        c = c.replace(page_size=page, order=order if page is not None else None)
     c = c.replace(spare=draw(st.integers(0, 3), label="spare"))
     if getattr(impl, "splits", False):
         c = c.replace(num_splits=draw(st.one_of(st.integers(1, 4), st.sampled_from((8, 17, 64))), label="splits"))
     return c
+
+
+def _pages_for(impl, c: Cached) -> dict:
+    """The page size ``impl`` takes: a pin's size outside its page_sizes becomes the nearest declared
+    one (the smallest at least as large, else the largest), and a contiguous cache goes on pages in
+    order where the kernel takes only paged caches (contiguous_cache=False)."""
+    sizes = getattr(impl, "page_sizes", None) or PAGE_SIZES
+    if c.page_size is None:
+        return {} if getattr(impl, "contiguous_cache", True) else {"page_size": sizes[0]}
+    if getattr(impl, "page_sizes", None) and c.page_size not in sizes:
+        return {"page_size": min((n for n in sizes if n >= c.page_size), default=sizes[-1])}
+    return {}
 
 
 def fit(impl, c: Cached) -> Cached:
@@ -131,7 +146,7 @@ def fit(impl, c: Cached) -> Cached:
         assume(s is not None and not any(issue.applies(s) for issue in impl.known_issues))
         lengths[b] = s.sk - added
     assume(min(lengths) >= 0)
-    fitted = c.replace(case=case, lengths=tuple(lengths))
+    fitted = c.replace(case=case, lengths=tuple(lengths), **_pages_for(impl, c))
     context.current().last_layout = fitted  # a failure's report shows the whole batch
     fs_draw._note(f"cached: {fitted!r}")
     return fitted

@@ -88,15 +88,19 @@ class Implementation:
     # where it takes pointers and row strides off 16-byte alignment
     # Layouts (docs/features.md): a kernel that declares one is called only in it.
     varlen: bool = False  # packed sequences: f(q (Tq, Hq, D), k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ...)
-    # with varlen: another sequence's NaN never reaches a sequence. False declares a kernel that gives a
-    # hidden key probability 0 and still multiplies it in (a document mask over tiles that two sequences
-    # share: 0 * NaN = NaN); the other sequences are then poisoned with large finite values instead,
-    # which must still never reach a sequence
+    # with varlen: another sequence's NaN never reaches a sequence; with kvcache: NaN in the cache past a
+    # sequence's length, or in a block no sequence uses, never reaches a result. False declares a kernel
+    # that gives a hidden key probability 0 and still multiplies it in (a document mask over tiles two
+    # sequences share, a block mask over a partial page: 0 * NaN = NaN); those entries are then large
+    # finite values instead, which must still never reach a result
     isolates_nan: bool = True
     kvcache: bool = False  # decoding against a cache: f(q, k_cache, v_cache, *, cache_seqlens, ...), forward only
     kv_append: bool = False  # with kvcache: takes k_new=, v_new=, written into the cache in place
     paged: bool = False  # with kvcache: k_cache (num_blocks, Hkv, page_size, D) and block_table=
     page_sizes: tuple[int, ...] | None = None  # with paged: the page sizes it takes (None: any)
+    # with paged: False declares a kernel that takes only paged caches (block_table always given); the
+    # suite then puts every cache on pages, a contiguous one as pages in order
+    contiguous_cache: bool = True
     splits: bool = False  # with kvcache: takes num_splits= (split-KV); the result must not depend on it
     # takes an optional out= (None: it allocates O itself): the O tensor to write into (the shape and dtype it
     # returns), handed over as a view inside a buffer with guard bands on both sides; nothing past it may
@@ -248,14 +252,14 @@ def _validate(i: Implementation) -> None:
             raise ContractError(f"implementation {name!r}: {tensor}=True is a dense-layout feature: attn_{tensor} is "
                                 "(B or 1, Hq or 1, Sq, Sk); declare it on the dense kernel, not with varlen or kvcache")
     for flag in ("causal_only", "scale_arg", "deterministic", "cuda_graphs", "compile", "varlen", "kvcache",
-                 "kv_append", "paged", "splits", "isolates_nan", "out"):
+                 "kv_append", "paged", "splits", "isolates_nan", "out", "contiguous_cache"):
         put(flag, bool(getattr(i, flag)))
     if i.out and (i.kvcache or i.framework != "torch"):
         raise ContractError(f"implementation {name!r}: out=True is checked for torch kernels of the dense and "
                             "packed layouts (not kvcache, not numpy)")
-    if not i.isolates_nan and not i.varlen:
+    if not i.isolates_nan and not (i.varlen or i.kvcache):
         raise ContractError(f"implementation {i.name!r}: isolates_nan=False speaks of other sequences of a packed "
-                            "batch: it goes with varlen=True")
+                            "batch or the unused entries of a KV cache: it goes with varlen=True or kvcache=True")
 
 
 def _validate_cache(i: Implementation, put) -> None:
@@ -271,6 +275,9 @@ def _validate_cache(i: Implementation, put) -> None:
             raise ContractError(f"implementation {name!r}: page_sizes must be ints >= 1, declared with paged=True, "
                                 f"got {i.page_sizes!r}")
         put("page_sizes", tuple(sorted(set(sizes))))
+    if not i.contiguous_cache and not i.paged:
+        raise ContractError(f"implementation {name!r}: contiguous_cache=False declares a paged-only cache: it goes "
+                            "with paged=True")
     if not i.kvcache:
         return
     if i.framework != "torch" or i.varlen:

@@ -9,7 +9,8 @@ which the kernel writes into the cache at positions cache_seqlens[b] onwards, in
 flash_attn_with_kvcache does). Causal is bottom-right against that length.
 
 Every position past a sequence's keys, and every block no sequence uses, holds NaN: a kernel that
-reads one returns NaN. A dense case is run on such a kernel as B sequences of Sk keys each
+reads one returns NaN. A kernel that declares isolates_nan=False (a mask that multiplies hidden
+entries by 0) gets POISON there instead, large enough that reading one is still visible. A dense case is run on such a kernel as B sequences of Sk keys each
 (contiguous, or on pages in reverse order), so that every forward property reaches it.
 """
 from __future__ import annotations
@@ -89,9 +90,18 @@ class Call:
     num_splits: int = 1
 
 
+POISON = 64.0  # what isolates_nan=False kernels find in unused entries: exp(64 q.k) dwarfs any real score
+
+
+def poisoned(impl, cache: np.ndarray) -> np.ndarray:
+    """The cache as ``impl`` is given it: NaN in its unused entries, or POISON where it declares
+    isolates_nan=False (the inputs themselves are finite, so every NaN is an unused entry)."""
+    return cache if impl.isolates_nan else np.where(np.isnan(cache), POISON, cache)
+
+
 def tensors(impl, case, c: Call, device):
-    """(q, k_cache, v_cache) as case.dtype tensors on ``device`` (copies: NaN stays NaN) and the
-    keywords of the call: cache_seqlens, k_new / v_new, block_table, num_splits, the features."""
+    """(q, k_cache, v_cache) as case.dtype tensors on ``device`` (copies: NaN stays NaN, see poisoned)
+    and the keywords of the call: cache_seqlens, k_new / v_new, block_table, num_splits, the features."""
     import torch
 
     dt = getattr(torch, case.dtype)
@@ -104,7 +114,7 @@ def tensors(impl, case, c: Call, device):
         kw["block_table"] = torch.tensor(c.layout.table, dtype=torch.int32, device=device)
     if impl.splits:
         kw["num_splits"] = c.num_splits
-    return (as_t(c.q), as_t(c.k_cache), as_t(c.v_cache)), kw
+    return (as_t(c.q), as_t(poisoned(impl, c.k_cache)), as_t(poisoned(impl, c.v_cache))), kw
 
 
 def run(impl, case, c: Call, *, device=None, path=None) -> tuple[call.Result, tuple[np.ndarray, np.ndarray]]:
