@@ -114,7 +114,7 @@ def main(argv=None) -> int:
 
     print(f"case = {case_code(case, impl)}\nimplementation: {impl.name} ({args.impl or origin['spec']})")
     case = case if case.dtype in impl.dtypes else case.replace(dtype=impl.dtypes[0])
-    if case.dropout_p:  # the dense truth knows no kernel's keep mask: the property that failed is the check
+    if case.dropout_p or _in_context(where):  # the property that failed is the check, not one plain call
         return _replay_property(where, impl, case)
     try:
         res = call.run(impl, case, *inputs[:3], inputs[3] if impl.has_backward else None)
@@ -140,9 +140,22 @@ def main(argv=None) -> int:
     return 1 if failed else 0
 
 
+# Properties whose failure lives in how the call is made (repeated at a large batch, on two streams, in a
+# CUDA graph, under torch.compile): one plain call of the case does not reproduce it, so replay (and
+# ``flashcheck sanitize``, which runs replay under compute-sanitizer) runs the property itself.
+CONTEXT_PROPERTIES = ("test_races.py::", "test_launch.py::")
+
+
+def _in_context(where: Path) -> bool:
+    failure = where / "failure.txt"
+    first = failure.read_text().splitlines()[0] if failure.is_file() else ""
+    return any(name in first for name in CONTEXT_PROPERTIES)
+
+
 def _replay_property(where: Path, impl, case) -> int:
     """Run the property named in failure.txt on ``case`` (a suite property taking the implementation and
-    the case alone): a dropout case is judged through the kernel's own mask, which only it reads."""
+    the case alone): a dropout case is judged through the kernel's own mask, which only it reads, and a
+    race or a launch context needs the property's own calls."""
     import importlib
     import inspect
 
@@ -154,12 +167,19 @@ def _replay_property(where: Path, impl, case) -> int:
     except (ImportError, AttributeError):
         test = None
     if test is None or set(inspect.signature(test).parameters) != {"impl", "case"}:
-        print(f"flashcheck replay: a dropout case is not held to the dense oracle, and {test_id} is not a suite "
-              f"property of (impl, case) that can run it here; run it with pytest --impl ...")
+        why = "a dropout case is not held to the dense oracle" if case.dropout_p else "one plain call does not reproduce it"
+        print(f"flashcheck replay: {why}, and {test_id} is not a suite property of (impl, case) that can run it "
+              f"here; run it with pytest --impl ...")
         return 2
     print(f"property: {test_id}")
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import strategies as st
+
+    # inside Hypothesis (one example, this case, nothing saved), where a property may note() what it saw
+    once = settings(max_examples=1, phases=[Phase.generate], database=None, deadline=None,
+                    suppress_health_check=list(HealthCheck))(given(c=st.just(case))(lambda c: test(impl=impl, case=c)))
     try:
-        test(impl=impl, case=case)
+        once()
     except AssertionError as exc:
         print(f"  FAIL  {str(exc).splitlines()[0]}\nreproduced: the property fails on this case")
         return 1

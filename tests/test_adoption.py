@@ -368,6 +368,23 @@ def test_a_dropout_reproducer_replays_the_property_that_failed(tmp_path, monkeyp
     assert repro.main([str(other)]) == 2, "expected a dropout case it cannot judge to be refused"
 
 
+def test_a_race_reproducer_replays_the_race_property_not_one_plain_call(tmp_path, monkeypatch, capsys):
+    """A race shows only over repeated calls at the property's batch, and a launch bug only in its launch
+    context: replay, and so ``flashcheck sanitize``, runs the property that failed."""
+    from flashcheck import repro
+
+    monkeypatch.setenv("FLASHCHECK_REPRO_DIR", str(tmp_path))
+    case = Case(hq=2, sq=5, sk=6, d=4, dv=4, causal="bottom_right", dtype="float32")
+    prop = "properties/test_races.py::test_repeated_calls_at_a_large_batch_each_stay_within_the_bound"
+    out = repro.write(case, "torch-tiled", f"{prop}[torch-tiled]", "message")
+    assert repro.main([str(out)]) == 0, capsys.readouterr().out
+    assert f"property: {prop}" in capsys.readouterr().out
+    plain = repro.write(case, "torch-tiled", "properties/test_forward.py::test_output_matches_dense_float64[torch-tiled]",
+                        "message")
+    assert repro.main([str(plain)]) == 0
+    assert "property:" not in capsys.readouterr().out, "expected a plain property replayed as one call"
+
+
 def test_a_test_whose_inputs_are_not_the_case_s_own_writes_no_reproducer(tmp_path):
     """The scale property draws its inputs on the device: a reproducer of case.inputs() would replay
     other numbers (and, past 2^31 elements, fill the host's memory). It says so instead."""
