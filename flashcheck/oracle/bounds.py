@@ -11,6 +11,7 @@ with its own terms: ``_o``, ``_lse``, ``_dv``, ``_dq``, ``_dk``.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -388,14 +389,53 @@ def _dk(s: Scores, g: DScores, u: Units):
     return dk
 
 
-def rounding_bounds(case, pt, dscores, half_spacing) -> dict:
-    """The rounding terms of the rule, per entry, for every result (shapes as the results')."""
+class Terms(Mapping):
+    """The rounding terms by result name. O's and LSE's are computed at once; the gradients' (dS and
+    its error, the larger share of the work) on the first asking, so a forward property pays for none
+    of them. The scores' errors they start from (about fourteen arrays of B x H x Sq x Sk) are kept
+    for the latest Terms alone, the case a property is judging now; an earlier one recomputes them."""
+
+    _latest = None
+
+    def __init__(self, forward: dict, backward, scores):
+        self._terms, self._backward, self._scores = dict(forward), backward, scores
+        if Terms._latest is not None:
+            Terms._latest._scores = None
+        Terms._latest = self
+
+    def __getitem__(self, name):
+        if name not in self._terms and self._backward is not None:
+            self._terms.update(self._backward(self._scores))
+            self._backward = self._scores = None
+        return self._terms[name]
+
+    def __iter__(self):
+        return iter(("o", "lse", "dv", "dq", "dk"))
+
+    def __len__(self):
+        return 5
+
+
+def rounding_bounds(case, pt, dscores, half_spacing) -> Terms:
+    """The rounding terms of the rule, per entry, for every result (shapes as the results');
+    ``dscores``: (dP, dP - D, dS), or a function giving them (asked only for the gradients' terms)."""
     pr = Precision.of(case.dtype, case.precision)
     u = Units.of(pr)
-    s = _scores(case, pt, pr, u)
-    o_terms = _o_terms(s, u)
-    g = _dscores(case, s, u, dscores, o_terms, half_spacing, pr.out_fmt)
-    out = {"o": _bound(*o_terms), "lse": _lse(s, u), "dv": _dv(s, u), "dq": _dq(s, g, u), "dk": _dk(s, g, u)}
     shape = {"o": (case.batch, case.hq, case.sq, case.dv), "lse": (case.batch, case.hq, case.sq),
              "dq": (case.batch, case.hq, case.sq, case.d)}
-    return {n: b.reshape(shape[n]) + FTZ[pr.acc] if n in shape else b + FTZ[pr.acc] for n, b in out.items()}
+
+    def done(out):
+        return {n: b.reshape(shape[n]) + FTZ[pr.acc] if n in shape else b + FTZ[pr.acc] for n, b in out.items()}
+
+    def forward():
+        s = _scores(case, pt, pr, u)
+        return s, _o_terms(s, u)
+
+    def backward(kept):
+        with np.errstate(over="ignore"):  # as the caller's, around the forward terms
+            s, o_terms = kept or forward()
+            g = _dscores(case, s, u, dscores() if callable(dscores) else dscores, o_terms, half_spacing, pr.out_fmt)
+            return done({"dv": _dv(s, u), "dq": _dq(s, g, u), "dk": _dk(s, g, u)})
+
+    s, o_terms = forward()
+    return Terms(done({"o": _bound(*o_terms), "lse": _lse(s, u)}), backward, (s, o_terms))

@@ -226,7 +226,7 @@ def _swap(x):
 def _rounding_bounds(case: AttentionCase) -> dict:
     """The rounding terms of the rule (module doc, bounds.py), per entry, for every result."""
     with np.errstate(over="ignore"):  # squares of heavy-tailed float32 terms: an infinite variance is honest
-        return bounds.rounding_bounds(case, _parts(case), _dscores(case), half_spacing)
+        return bounds.rounding_bounds(case, _parts(case), lambda: _dscores(case), half_spacing)
 
 
 @_cached(32)
