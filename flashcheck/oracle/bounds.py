@@ -195,8 +195,10 @@ def _scores(case, pt, pr: Precision, u: Units) -> Scores:
     base = u.p + u.inp + 2 * u.tr
     rho = np.where(vis, base + bent, 0.0)
     logp = pt.s - lse  # log P where visible: finite where P itself underflows
-    near = np.where(p > 0, p * np.where(x > 1e-2, 0.0, rho), 0.0)  # rho is infinite only where x > 1e-2
-    p_rho = np.where(vis, np.where(x > 1e-2, p * base + _p_expm1(p, logp, x), near), 0.0)
+    far = vis & (x > 1e-2)  # where expm1(x) is not x: few entries, and exp over all of them costs
+    p_rho = np.where(p > 0, p * np.where(far, 0.0, rho), 0.0)  # rho is infinite only where x > 1e-2
+    if far.any():
+        p_rho[far] = p[far] * base + _p_expm1(p[far], logp[far], x[far])
     rho_var = np.where(vis, VAR * (u.p ** 2 + u.inp ** 2) + var + lse_var, 0.0)
     sub = np.where(vis, u.sub, 0.0)
     w = p_rho + sub
