@@ -206,12 +206,12 @@ def _scores(case, pt, pr: Precision, u: Units) -> Scores:
     # "dense": P normalized before it is rounded. Equal probabilities (equal keys, scale 0) then carry
     # one rounding error: along a row for O, along a key's column (every row of every head of the
     # group) for dV.
-    p32 = np.where(vis, p, np.nan).astype(np.float32)  # masked entries (NaN) tie with nothing
     # A row's P shares one max and one sum, so equal scores give equal values; a key's column does
     # not (each row has its own LSE), so there equal truths count by Cauchy-Schwarz alone. A group
     # whose values straddle a rounding boundary rounds half up, half down: the largest group of a
     # row also keeps its terms' independent share.
     if pr.p_normalized:
+        p32 = np.where(vis, p, np.nan).astype(np.float32)  # masked entries (NaN) tie with nothing
         (n_row, big_row), (n_col, _) = ties(p32, (-1,)), ties(p32, (2, 3))
     else:  # exp(s - m) of equal scores is exactly 1 at the max; below it, ties are rare and short
         n_row = n_col = np.ones_like(p)
