@@ -15,6 +15,10 @@ import torch
 from flashcheck.contract import implementation
 from flashcheck.contract.checks import check_inputs
 
+# On CUDA too where there is one (the gpu lane kills them there: a strided read or an unwritten row
+# of memory the caching allocator recycles is a GPU kernel's bug first)
+DEVICES = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
+
 BUGS = {
     "assumes_contiguous_strides": "reads q, k, v from their storage with contiguous (B, H, S, D) strides",
     "ignores_storage_offset": "reads q, k, v from the start of their storage, not their first element",
@@ -49,8 +53,8 @@ def _kernel(bug):
         s = scale * q @ k.transpose(-1, -2)
         if causal:
             sq, sk = q.shape[2], k.shape[2]
-            i = torch.arange(sq)[:, None]
-            j = torch.arange(sk)[None, :]
+            i = torch.arange(sq, device=q.device)[:, None]
+            j = torch.arange(sk, device=q.device)[None, :]
             s = s.masked_fill(j > i + sk - sq, float("-inf"))
         m = s.amax(-1, keepdim=True)
         m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # a row that sees nothing: O = 0, not NaN
@@ -58,14 +62,14 @@ def _kernel(bug):
         denom = p.sum(-1, keepdim=True)
         o = p @ v / torch.where(denom == 0, torch.ones_like(denom), denom)
         if bug == "leaves_unseen_rows_unwritten":
-            return torch.where(denom > 0, o, torch.empty(o.shape, dtype=o.dtype))
+            return torch.where(denom > 0, o, torch.empty(o.shape, dtype=o.dtype, device=o.device))
         return o
 
     return attention
 
 
 def _register(name, bug):
-    return implementation(name=name, causal="bottom_right", dtypes=("float32", "float64"), devices=("cpu",),
+    return implementation(name=name, causal="bottom_right", dtypes=("float32", "float64"), devices=DEVICES,
                           backward=True, gqa=True, register=False)(_kernel(bug))
 
 
