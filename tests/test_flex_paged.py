@@ -82,3 +82,20 @@ def test_a_kvcache_kernel_may_declare_that_it_does_not_isolate_nan():
     declared = implementation(name="cache-no-nan", register=False, kvcache=True, isolates_nan=False)(
         lambda q, k, v, **_: q)
     assert not declared.__flashcheck__.isolates_nan
+
+
+def test_a_read_past_the_length_is_caught_by_the_poison_that_replaces_nan():
+    """isolates_nan=False trades NaN for cache.POISON in unused entries; a kernel that reads one position
+    past each sequence must still fail: here the real kernel told one key more than each sequence has."""
+    real = impl()
+
+    def one_past(q, k_cache, v_cache, *, cache_seqlens, **kw):
+        return real.fn(q, k_cache, v_cache, cache_seqlens=cache_seqlens + (cache_seqlens > 0).int(), **kw)
+
+    mutant = implementation(name="flex-paged-one-past", register=False, causal=("bottom_right",), dtypes=real.dtypes,
+                            gqa=True, lse=True, kvcache=True, paged=True, page_sizes=real.page_sizes,
+                            contiguous_cache=False, isolates_nan=False)(one_past).__flashcheck__
+    c = PINNED[0]
+    res, _ = cache.run(mutant, c.case, c.call())
+    with pytest.raises(AssertionError, match="sequence 0 of 4"):
+        props.check_sequence(mutant, c, 0, res, "one past")
