@@ -58,16 +58,24 @@ K_NAIVE = {"o": 2, "lse": 2, "dq": 3, "dk": 3, "dv": 3, "dsinks": 3, "dbias": 3}
 FLOOR_NAIVE = 8
 
 
-@dataclass(frozen=True)
 class Truth:
-    o: np.ndarray
-    lse: np.ndarray
-    dq: np.ndarray
-    dk: np.ndarray
-    dv: np.ndarray
-    dsinks: np.ndarray | None  # the sink logits' gradient (Hq,); None without sinks
-    logit_max: float
-    dbias: np.ndarray | None = None  # the bias tensor's gradient (its shape); None without a bias
+    """Dense float64 results by name: O, LSE, the largest logit, and the gradients dQ, dK, dV, dsinks
+    (the sink logits', (Hq,); None without sinks) and dbias (the bias tensor's; None without one).
+    ``grads`` is a dict of them, or a function giving one: a forward property never asks for them."""
+
+    def __init__(self, o: np.ndarray, lse: np.ndarray, logit_max: float, grads):
+        self.o, self.lse, self.logit_max, self._grads = o, lse, logit_max, grads
+
+    def _grad(self, name):
+        if callable(self._grads):
+            self._grads = self._grads()
+        return self._grads.get(name)
+
+    dq = property(lambda self: self._grad("dq"))
+    dk = property(lambda self: self._grad("dk"))
+    dv = property(lambda self: self._grad("dv"))
+    dsinks = property(lambda self: self._grad("dsinks"))
+    dbias = property(lambda self: self._grad("dbias"))
 
     def __getitem__(self, name):
         return getattr(self, name)
@@ -143,10 +151,17 @@ def truth(case: AttentionCase) -> Truth:
     q, k, v, do = case.inputs()
     kw = case.reference_kwargs()
     o, lse = reference.dense_forward(q, k, v, probs=_probs(case), **kw)
-    dq, dk, dv, *rest = reference.dense_backward(q, k, v, o, lse, do, probs=_probs(case), **kw)
-    logit_max = float(np.abs(_parts(case).s).max(initial=0))
-    dsinks = rest[0] if case.sinks is not None else None
-    return Truth(o, lse, dq, dk, dv, dsinks, logit_max, rest[-1] if case.bias is not None else None)
+
+    def grads():
+        return gradients(case, *reference.dense_backward(q, k, v, o, lse, do, probs=_probs(case), **kw))
+
+    return Truth(o, lse, float(np.abs(_parts(case).s).max(initial=0)), grads)
+
+
+def gradients(case: AttentionCase, dq, dk, dv, *rest) -> dict:
+    """reference.dense_backward's answer by name (dsinks and dbias where the case has them)."""
+    return {"dq": dq, "dk": dk, "dv": dv, "dsinks": rest[0] if case.sinks is not None else None,
+            "dbias": rest[-1] if case.bias is not None else None}
 
 
 @_cached(32)

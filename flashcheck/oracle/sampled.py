@@ -102,8 +102,7 @@ def parts(case: AttentionCase, rows: np.ndarray, inputs=None, naive: dict | None
     if len(rows) < case.sq:
         return truth, terms if case.precision != "naive" else {n: terms[n] + naive[n] for n in NAMES}
     if case.precision == "naive":  # a naive kernel has the fused one's roundings too (rule.allowed)
-        t = rule.Truth(o, lse, dq, dk, dv, rest[0] if case.sinks is not None else None,
-                       float(np.abs(s).max(initial=0)), rest[-1] if case.bias is not None else None)
+        t = rule.Truth(o, lse, float(np.abs(s).max(initial=0)), rule.gradients(case, dq, dk, dv, *rest))
         naive = rule.naive_terms(case, t, pt, (q, k, v, do))
         terms = {n: terms[n] + naive[n] for n in terms}
     return truth | {"dk": dk, "dv": dv}, terms
