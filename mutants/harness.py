@@ -72,7 +72,7 @@ def outcomes(specs, files, *args, pins: bool = True, timeout: float = 600) -> tu
     profile) and return ({test id: (outcome, message)}, the whole output). A failure's message
     is the whole report a user reads (the plugin's short report), not only its first line."""
     with tempfile.TemporaryDirectory() as tmp:
-        env = {**os.environ, "CI": "true", "FLASHCHECK_PROFILE": profile, "FLASHCHECK_REPRO_DIR": tmp}
+        env = {**os.environ, "CI": "true", "FLASHCHECK_PROFILE": "ci", "FLASHCHECK_REPRO_DIR": tmp}
         for name in ("FLASHCHECK_IMPL", "FLASHCHECK_SKIP_EXAMPLES"):
             env.pop(name, None)
         if not pins:
