@@ -270,12 +270,18 @@ def naive_terms(case: AttentionCase, t: Truth, pt: _Parts, inputs=None) -> dict:
         full = abs_ds.reshape(case.batch, case.hq, case.sq, case.sk)
         shape = case.attn_bias().shape
         mag["dbias"] = full.sum(axis=tuple(i for i in (0, 1) if shape[i] == 1), keepdims=True).max(initial=0)
+    errs = {n: 0.0 if case.dtype == "float64" else max_error(plain[n], t[n], result_dtype(case.dtype, n)) for n in mag}
+    return naive_from(case, errs, t.logit_max, mag)
+
+
+def naive_from(case: AttentionCase, dense_err: dict, logit_max: float, mag: dict) -> dict:
+    """The naive rule's term per result: K x plain dense attention's largest error in t, plus the floor
+    from the largest logit and the result's magnitude M (yardstick.py computes its inputs on a device)."""
     out = {}
     for n in mag:
         # dsinks of float64 inputs is float32, summed over batch and rows (per sequence, per split...)
         acc = EPS["float64" if result_dtype(case.dtype, n) == "float64" else "float32"]
-        dense_err = 0.0 if case.dtype == "float64" else max_error(plain[n], t[n], result_dtype(case.dtype, n))
-        out[n] = K_NAIVE[n] * dense_err + FLOOR_NAIVE * (acc * (1 + t.logit_max) + EPS[result_dtype(case.dtype, n)]) \
+        out[n] = K_NAIVE[n] * dense_err[n] + FLOOR_NAIVE * (acc * (1 + logit_max) + EPS[result_dtype(case.dtype, n)]) \
             * mag[n]
     return out
 

@@ -12,8 +12,9 @@ dK and dV sum over every query row, and each term of their bounds needs that row
 when the rows hold every query row (a whole head read back from a device, properties/test_scale.py).
 
 What it cannot judge, it refuses by name: the naive rule at a subset of the rows unless given its
-whole-problem terms (it needs plain dense attention in t on the whole problem: yardstick.py), dropout (the keep mask is the kernel's), dK and dV at a subset of the rows,
-and the sinks' and the bias's gradients (sums over rows and heads).
+whole-problem terms (it needs plain dense attention in t on the whole problem: yardstick.py), dropout
+(the keep mask is the kernel's), dK and dV at a subset of the rows, and the sinks' and the bias's
+gradients (sums over rows and heads).
 """
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ not, no other feature. Anything else is refused by name.
 from __future__ import annotations
 
 from flashcheck.oracle import rule
-from flashcheck.strategies.case import EPS, AttentionCase
+from flashcheck.strategies.case import AttentionCase
 
 NAMES = ("o", "lse", "dq")
 
@@ -84,12 +84,7 @@ def naive_terms(torch, case: AttentionCase, q, k, v, do, chunk: int = 2048) -> d
             mag[n] = max(mag[n], m[n])
             if case.dtype != "float64":
                 err[n] = max(err[n], _max_error(torch, plain[n], want[n], rule.result_dtype(case.dtype, n)))
-    out = {}
-    for n in NAMES:
-        acc = EPS["float64" if rule.result_dtype(case.dtype, n) == "float64" else "float32"]
-        out[n] = rule.K_NAIVE[n] * err[n] + rule.FLOOR_NAIVE * (
-            acc * (1 + logit_max) + EPS[rule.result_dtype(case.dtype, n)]) * mag[n]
-    return out
+    return rule.naive_from(case, err, logit_max, mag)
 
 
 def _max_error(torch, got, want, dtype: str) -> float:
