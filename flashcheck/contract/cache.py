@@ -10,8 +10,9 @@ flash_attn_with_kvcache does). Causal is bottom-right against that length.
 
 Every position past a sequence's keys, and every block no sequence uses, holds NaN: a kernel that
 reads one returns NaN. A kernel that declares isolates_nan=False (a mask that multiplies hidden
-entries by 0) gets POISON there instead, large enough that reading one is still visible. A dense case is run on such a kernel as B sequences of Sk keys each
-(contiguous, or on pages in reverse order), so that every forward property reaches it.
+entries by 0) gets POISON there instead, large enough that reading one is still visible. A dense
+case is run on such a kernel as B sequences of Sk keys each (contiguous, or on pages in reverse
+order), so that every forward property reaches it.
 """
 from __future__ import annotations
 
