@@ -4,8 +4,10 @@ This is the way torch's own paged attention for flex works (torch.nn.attention.e
 PagedAttention, private and experimental, so not imported here). The cache's blocks are laid end to
 end as one physical sequence of num_blocks x page_size keys, which every batch entry shares. A
 mask_mod maps each physical key back to its sequence's logical position through the inverse of the
-block table. The block mask's column block is one page, so a fused kernel loads only the pages a
-sequence owns.
+block table. The block mask keeps flex's own 128 x 128 blocks, whatever the page size: compiled flex
+tiles keys by 32 to 128 and refuses a column block its tile does not divide (an H200 run, torch 2.11:
+"Q and KV block size must be divisible by BLOCK_M and BLOCK_N ... KV_BLOCK_SIZE=16"). A column block
+then spans several pages, or part of one, and the mask_mod decides each key.
 
 The new keys are written into the caller's cache in place before the call, as
 flash_attn_with_kvcache does. Forward only, as decoding kernels are.
@@ -26,7 +28,6 @@ from flashcheck.impls import flex
 from flashcheck.impls.flex import _CUDA, DTYPES, _check_tensors, _compute_dtype, _flex, _scores
 
 WHO = "flex-paged"
-PAGE_SIZES = (16, 32, 64, 128)  # a block mask's column block: powers of two a fused flex kernel tiles by
 
 
 def _append(cache, new, lengths, table, page):
@@ -57,8 +58,6 @@ def attention(q, k_cache, v_cache, *, cache_seqlens, block_table=None, k_new=Non
         raise ValueError(f"{WHO}: takes a paged cache: block_table (B, max_blocks) is required")
     lengths, table, page = check_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
                                          dtypes=DTYPES, who=WHO)
-    if page not in PAGE_SIZES:
-        raise ValueError(f"{WHO}: page_size {page} is not one of {PAGE_SIZES} (the block mask's column block)")
     align = alignment(causal)
     if align == "top_left":
         raise ValueError(f"{WHO}: causal is bottom-right against each sequence's length; got causal='top_left'")
@@ -81,8 +80,7 @@ def attention(q, k_cache, v_cache, *, cache_seqlens, block_table=None, k_new=Non
     # the blocks end to end, (1, Hkv, num_blocks * page, E), shared by every batch entry (stride 0)
     kp, vp = (x.transpose(0, 1).reshape(1, hkv, n_blocks * page, x.shape[-1]).expand(b, -1, -1, -1)
               for x in (k_cache, v_cache))
-    block_mask = flex.create_block_mask(mask, b, None, sq, n_blocks * page, device=q.device,
-                                        BLOCK_SIZE=(128, page))
+    block_mask = flex.create_block_mask(mask, b, None, sq, n_blocks * page, device=q.device)
     scale = d ** -0.5 if scale is None else float(scale)
     return _flex(q, kp, vp, True, score_mod=_scores(scale, 0.0, q.device, _compute_dtype(q)),
                  block_mask=block_mask, scale=1.0, enable_gqa=hq != hkv)
@@ -91,6 +89,6 @@ def attention(q, k_cache, v_cache, *, cache_seqlens, block_table=None, k_new=Non
 # Its dense properties repeat flex's (each dense case is a cache of B equal sequences), so on CPU, where
 # eager flex costs ~0.1 s a call, its run is opt-in like flex's; tests/test_flex_paged.py pins caches.
 implementation(name=WHO, causal=("bottom_right",), dtypes=DTYPES, devices=("cuda",) if _CUDA else ("cpu",),
-               gqa=True, lse=True, kvcache=True, kv_append=True, paged=True, page_sizes=PAGE_SIZES, contiguous_cache=False,
+               gqa=True, lse=True, kvcache=True, kv_append=True, paged=True, contiguous_cache=False,
                isolates_nan=False, head_dims=(16, 128) if _CUDA else (1, 256),
                tags=() if _CUDA else ("slow",))(attention)

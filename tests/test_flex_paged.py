@@ -62,7 +62,13 @@ def test_nan_in_an_unused_cache_entry_reaches_flex_paged_s_result():
 
 
 def test_a_paged_only_kernel_gets_every_cache_on_pages_of_a_size_it_takes():
-    sizes = [fk._pages_for(impl(), Cached(Case(sq=1, sk=5), (5, 3), page_size=n)).get("page_size", n)
+    real = impl()
+    sized = implementation(name="flex-paged-sized", register=False, causal=("bottom_right",), dtypes=real.dtypes,
+                           gqa=True, lse=True, kvcache=True, paged=True, page_sizes=(16, 32, 64, 128),
+                           contiguous_cache=False, isolates_nan=False)(real.fn).__flashcheck__
+    assert fk._pages_for(real, Cached(Case(sq=1, sk=5), (5, 3), page_size=3)) == {}, \
+        "expected flex-paged (any page size) to keep a drawn page of 3"
+    sizes = [fk._pages_for(sized, Cached(Case(sq=1, sk=5), (5, 3), page_size=n)).get("page_size", n)
              for n in (None, 3, 16, 256)]
     assert sizes == [16, 16, 16, 128], f"expected pages of 16, 16, 16 and 128, got {sizes}"
     both = load("torch-tiled-kvcache")
@@ -93,7 +99,7 @@ def test_a_read_past_the_length_is_caught_by_the_poison_that_replaces_nan():
         return real.fn(q, k_cache, v_cache, cache_seqlens=cache_seqlens + (cache_seqlens > 0).int(), **kw)
 
     mutant = implementation(name="flex-paged-one-past", register=False, causal=("bottom_right",), dtypes=real.dtypes,
-                            gqa=True, lse=True, kvcache=True, paged=True, page_sizes=real.page_sizes,
+                            gqa=True, lse=True, kvcache=True, paged=True,
                             contiguous_cache=False, isolates_nan=False)(one_past).__flashcheck__
     c = PINNED[0]
     res, _ = cache.run(mutant, c.case, c.call())

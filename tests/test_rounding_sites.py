@@ -280,3 +280,14 @@ def test_a_fused_kernel_with_features_passes_in_every_regime(dtype, exp2):
             got = _fused_with_features(case, exp2)
             for name in orc.RESULTS:
                 orc.compare(case, name, got[name], who=f"fused{' exp2' if exp2 else ''} with {feats}")
+
+
+def test_a_result_among_float32_subnormals_may_come_back_flushed_to_zero():
+    # triton-fused-varlen on an H200: dsinks = -7.3e-40 in float64, a float32 subnormal, came back -0 (the
+    # GPU's float32 arithmetic flushes subnormals). The naive rule allowed 3.9e-40.
+    case = Case(dtype="bfloat16", regime="negative", softcap=91.0, sinks=(0.0,))
+    want = orc.truth(case).dsinks
+    assert 0 < np.abs(want).max() < 2.0 ** -126, f"expected a subnormal float32 truth, got {want}"
+    orc.compare(case, "dsinks", np.zeros_like(want))
+    with pytest.raises(AssertionError):  # flushed is admitted; the wrong sign is not
+        orc.compare(case, "dsinks", -want)
