@@ -17,7 +17,8 @@ import numpy as np
 MEMORY = {
     "contiguous": "fresh contiguous (B, H, S, D) tensors",
     "bshd": "(B, S, H, D) tensors viewed as (B, H, S, D), as flash_attn_func users transpose them",
-    "padded": "each row a slice of a wider row, NaN after it (a row stride past D, 16-byte aligned)",
+    "padded": "each row a slice of a wider row and each head's rows a slice of a taller block: NaN after every row "
+              "and 16 NaN rows after every head's last (a row stride past D, 16-byte aligned, a head stride past S)",
     "offset": "views starting 48 bytes into their storage, NaN before them (a storage offset, 16-byte aligned)",
     "broadcast": "a batch or head count of 1 with stride 0, as expand() leaves it (GQA's K/V heads, one batch entry)",
     "unaligned": "views 61 elements into their storage with rows of D + 3 elements: pointers and row strides "
@@ -32,11 +33,16 @@ ALIGN = 16  # bytes
 ODD_OFFSET, ODD_PAD = 61, 3  # elements, for "unaligned"
 
 
-def _in_storage(torch, t, offset: int, row: int):
-    """``t`` as a view ``offset`` elements into a NaN storage whose rows hold ``row`` >= D elements."""
-    d = t.shape[-1]
-    base = torch.full((offset + t[..., 0].numel() * row,), float("nan"), device=t.device, dtype=t.dtype)
-    view = base[offset:].view(*t.shape[:-1], row)[..., :d]
+ROWS_PAST = 16  # NaN rows after each head's last in "padded": a whole tile read past S meets NaN
+
+
+def _in_storage(torch, t, offset: int, row: int, rows_past: int = 0):
+    """``t`` (..., S, D) as a view ``offset`` elements into a NaN storage whose rows hold ``row`` >= D
+    elements, with ``rows_past`` more rows after each S."""
+    *lead, s, d = t.shape
+    base = torch.full((offset + int(np.prod(lead)) * (s + rows_past) * row,), float("nan"), device=t.device,
+                      dtype=t.dtype)
+    view = base[offset:].view(*lead, s + rows_past, row)[..., :s, :d]
     view.copy_(t)
     return view
 
@@ -50,7 +56,7 @@ def lay(torch, x: np.ndarray, kind: str, *, device, dtype):
     if kind == "bshd":
         return t.transpose(1, 2).contiguous().transpose(1, 2)
     if kind == "padded":
-        return _in_storage(torch, t, 0, -(-t.shape[-1] // per) * per + per)
+        return _in_storage(torch, t, 0, -(-t.shape[-1] // per) * per + per, ROWS_PAST)
     if kind == "offset":
         return _in_storage(torch, t, 3 * per, t.shape[-1])
     if kind == "unaligned":
