@@ -96,6 +96,8 @@ def pytest_addoption(parser):
 
 @pytest.hookimpl(tryfirst=True)  # before Hypothesis's plugin loads the profile, so a bad name gets one line
 def pytest_configure(config):
+    if os.environ.get(timing.ORDER_ENV):  # an earlier run's timing log: the longest tests first, in any run
+        config.pluginmanager.register(timing.Order(os.environ[timing.ORDER_ENV]), "flashcheck-order")
     specs = _specs(config)
     checkout = _checkout(Path(str(config.rootpath)).resolve())
     if not specs and checkout is None:
@@ -293,8 +295,6 @@ class _KernelProperties(pytest.Module):
 @pytest.hookimpl(tryfirst=True)  # before -m selects, so that -m selftest sees the marker
 def pytest_collection_modifyitems(config, items):
     state = _state(config)
-    if os.environ.get(timing.ORDER_ENV):  # an earlier run's timing log: the longest tests first
-        timing.longest_first(items, os.environ[timing.ORDER_ENV])  # (stable: the sorts below keep it)
     if state is None:
         return
     from flashcheck.contract.call import cuda_available

@@ -264,16 +264,62 @@ def longest_first(items: list, path: str) -> None:
                                -wall.get(it.nodeid, float("inf"))))
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
     if workers > 1:  # inside an xdist worker: every worker sorts its own (identical) collection alike
-        numeric = [it for it in items if it.get_closest_marker("input_validation") is None]
-        items[:] = dealt(numeric, workers) + items[len(numeric):]
+        items[:] = by_worker(items, wall, workers)
 
 
-def dealt(ordered: list, workers: int) -> list:
-    """``ordered`` dealt out like cards: xdist's worksteal (and load) first hand each worker one
-    contiguous run of the queue, so a queue sorted longest first gave the first worker every long
-    test, one after another (a gpu lane left its 49 longest unstarted). Dealt, each worker's run
-    starts with its share of the longest, and stealing takes from the short ends."""
-    return [it for w in range(workers) for it in ordered[w::workers]]
+LIGHT = 1.0  # seconds: a test below this in the log (a skip, most refusals) fills a worker's run
+
+
+def _kernel(item) -> str | None:
+    impl = getattr(getattr(item, "callspec", None), "params", {}).get("impl")
+    return getattr(impl, "name", None)
+
+
+def by_worker(ordered: list, wall: dict, workers: int, kernel=_kernel) -> list:
+    """``ordered`` (longest first) laid out as xdist's worksteal hands it out: one contiguous run per
+    worker, of equal counts. Each worker's run starts with its share of the long tests, so that no
+    long test waits behind another (a queue sorted longest first gave the first worker every long
+    one: a gpu lane left its 49 longest unstarted), and stealing takes from the short ends.
+
+    The long tests of one kernel go to as few workers as their time allows: each worker compiles
+    for itself (torch.compile's graphs, Triton's JIT), and a kernel dealt round all eight compiled
+    each graph eight times, at once, so that none found it in the disk caches (an H200 lane: 1485 s
+    of 4300 compiling FlexAttention). A test the log does not know counts as the mean long one."""
+    quota, left = [], len(ordered)
+    for w in range(workers):  # as worksteal's first hand: each idle worker len(pending) // workers left
+        quota.append(left // (workers - w))
+        left -= quota[-1]
+    long = [it for it in ordered if wall.get(it.nodeid, float("inf")) >= LIGHT]
+    known = [wall[it.nodeid] for it in long if it.nodeid in wall]
+    mean = sum(known) / len(known) if known else 1.0
+    cost = {id(it): wall.get(it.nodeid, mean) for it in long}
+    target = sum(cost.values()) / workers
+    runs, load, homes = [[] for _ in range(workers)], [0.0] * workers, {}
+    for it in long:
+        open_ = [w for w in range(workers) if len(runs[w]) < quota[w]]
+        key = kernel(it)
+        home = [w for w in homes.get(key, ()) if w in open_ and load[w] + cost[id(it)] <= target]
+        w = min(home or open_, key=load.__getitem__)
+        if key is not None and w not in homes.setdefault(key, []):
+            homes[key].append(w)
+        runs[w].append(it)
+        load[w] += cost[id(it)]
+    rest = iter(it for it in ordered if wall.get(it.nodeid, float("inf")) < LIGHT)
+    for w in range(workers):
+        runs[w] += [next(rest) for _ in range(quota[w] - len(runs[w]))]
+    return [it for run in runs for it in run]
+
+
+class Order:
+    """FLASHCHECK_ORDER_BY's plug-in: it sorts last, after -m and -k have deselected, since xdist hands
+    each worker an equal count of what is left."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, items):
+        longest_first(items, self.path)
 
 
 def register(config, profile: str):

@@ -140,7 +140,24 @@ def test_under_xdist_the_longest_tests_are_dealt_one_to_each_worker(tmp_path, mo
     monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "3")
     timing.longest_first(items, str(log))
     shares = [[int(it.nodeid[3:]) for it in items[i:i + 3]] for i in (0, 3, 6)]
-    assert shares == [[8, 5, 2], [7, 4, 1], [6, 3, 0]], f"expected the longest dealt round the workers, got {shares}"
+    assert [run[0] for run in shares] == [8, 7, 6], f"expected each run to start with one of the longest, got {shares}"
+    assert max(map(sum, shares)) - min(map(sum, shares)) <= 2, f"expected balanced runs, got {shares}"
+
+
+def test_one_kernels_long_tests_stay_on_as_few_workers_as_their_time_allows():
+    """Two kernels of four 10 s tests each on two workers: each kernel on one worker (dealt, both would
+    compile everything twice), and the short tests fill the runs to xdist's equal counts."""
+    def item(kernel, n):
+        return types.SimpleNamespace(nodeid=f"t::{kernel}{n}", kernel=kernel)
+
+    ordered = [item(k, n) for n in range(4) for k in "ab"] + [item(None, n) for n in range(4)]
+    wall = {it.nodeid: 10.0 if it.kernel else 0.1 for it in ordered}
+    out = timing.by_worker(ordered, wall, 2, kernel=lambda it: it.kernel)
+    runs = [[it.kernel for it in out[:6]], [it.kernel for it in out[6:]]]
+    assert runs == [list("aaaa") + [None] * 2, list("bbbb") + [None] * 2], f"expected a kernel per worker, got {runs}"
+    three = timing.by_worker(ordered, wall, 3, kernel=lambda it: it.kernel)
+    assert sorted(len({it.kernel for it in three[i:i + 4]} - {None}) for i in (0, 4, 8)) == [1, 1, 2], \
+        f"expected one kernel split, the other whole, got {[[it.kernel for it in three[i:i + 4]] for i in (0, 4, 8)]}"
 
 
 def test_a_run_given_a_log_runs_its_longest_test_first(tmp_path):
