@@ -107,12 +107,13 @@ def test_giant_cases_match_float64_on_sampled_heads_and_rows(impl, target, causa
             results = run_on(torch, impl, case, tensors, "cuda")
             break
         except torch.cuda.OutOfMemoryError:
-            if scale.halved(case) is None:
+            smaller = scale.halved(case)
+            if smaller is None:
                 raise
         del tensors
         torch.cuda.empty_cache()
         note(f"{impl.name} ran out of device memory at {case!r}: halved")
-        case = scale.halved(case)
+        case = smaller
     note(f"target {target!r}: {case!r}, {case.batch * case.hq * case.sq * case.d:.3g} elements in q, "
          f"drawn on the device with torch.Generator seed {seed}")
     judge_heads(impl, case, tensors, results, seed)
