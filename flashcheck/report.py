@@ -305,9 +305,12 @@ def nondeterminism(impl, case, first: BaseException | None = None) -> str:
         first = first.exceptions[0]
     if isinstance(first, UnsatisfiedAssumption):  # the suite's own reject(), not the kernel's error
         first = None
-    if first is not None and not isinstance(first, AssertionError):
-        compiling = compile_failure(first)
-        what = "failed to compile" if compiling else f"raised {type(first).__name__}"
+    # a check of the suite that failed because the kernel raised (a CUDA graph capture) says the kernel's error
+    cause = first.__cause__ if isinstance(first, AssertionError) else None
+    raised = cause if cause is not None and not isinstance(cause, AssertionError) else first
+    if raised is not None and not isinstance(raised, AssertionError):
+        compiling = compile_failure(raised)
+        what = "failed to compile" if compiling else f"raised {type(raised).__name__}"
         why = ("; the retry may have run other code than the first call compiled (a cache, or an eager "
                "fall-back)" if compiling else "")
         return (f"{impl.name} {what} on the first call and returned on the retry: an error that did not recur, "

@@ -189,3 +189,17 @@ def test_a_pin_that_cannot_run_as_written_is_reported(kernel, pin, said, monkeyp
     fs.fit(kernel, Case(sk=5, d=3, dv=3, block_q=16, block_k=16))  # not a pin, runs unchanged or refitted quietly
     assert test.pin_reports == []
     context.end()
+
+
+def test_a_capture_that_raised_once_is_reported_as_an_error_not_as_nondeterminism():
+    from flashcheck.contract.launch import CaptureFailed
+    try:
+        try:
+            raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+        except RuntimeError as exc:
+            raise CaptureFailed("k declares cuda_graphs=True but raised while its call was captured in a CUDA "
+                                "graph: RuntimeError: CUDA error") from exc
+    except CaptureFailed as failed:
+        said = report.nondeterminism(record(ut.first_call_wrong), Case(sq=3, sk=5, d=4, dv=4, seed=7), first=failed)
+    assert "raised RuntimeError on the first call and returned on the retry" in said, said
+    assert "captured in a CUDA graph" in said and "race or nondeterminism" not in said, said

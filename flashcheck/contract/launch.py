@@ -22,6 +22,8 @@ under torch.compile (properties/test_launch.py). Forward only, dense layout, O a
 """
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 
 from flashcheck.contract import call, memory
@@ -97,14 +99,23 @@ def replayed(impl, case, first, second) -> call.Result:
             call._call(impl, case, *ins, **kw)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
+    # Only the capturing thread is held to the capture's rules ("thread_local"): under the default
+    # "global" mode an unsafe call from any thread (a free of JAX's, say: a gpu lane worker runs many
+    # libraries) invalidates it. In an H200 lane, torch-tiled, which does nothing unsafe in its own
+    # thread, failed one capture of 15 with "operation failed due to a previous error during capture"
+    # and passed three retries. The garbage collector waits too: a buffer freed mid-capture is such a free.
+    gc.collect()
+    gc.disable()
     try:
-        with torch.cuda.graph(graph), torch.no_grad():
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"), torch.no_grad():
             out = call._call(impl, case, *ins, **kw)
     except Exception as exc:  # noqa: BLE001  (any error of the capture is the kernel's, named as such)
         raise CaptureFailed(f"{impl.name} declares cuda_graphs=True but raised while its call was captured in a "
                             f"CUDA graph: {type(exc).__name__}: {exc}\n  (a host sync, .item(), a CPU tensor or "
                             f"an allocation that differs per call cannot be captured; declare cuda_graphs=False)"
                             f"\n  case: {case!r}") from exc
+    finally:
+        gc.enable()
     for dst, x in zip(ins, _tensors(torch, impl, case, second, "cuda")):
         dst.copy_(x)
     graph.replay()
