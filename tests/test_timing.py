@@ -1,5 +1,6 @@
 """The timing summary (flashcheck/timing.py): wall, compile and examples per test, and its log."""
 import json
+import os
 import sys
 import types
 
@@ -104,7 +105,8 @@ def test_an_xdist_worker_takes_its_share_of_the_cores_unless_threads_were_set(mo
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     else:
         monkeypatch.setenv("OMP_NUM_THREADS", preset)
-    config = types.SimpleNamespace(**({"workerinput": {}} if worker else {}))
+    config = types.SimpleNamespace(getoption=lambda name, default=None: None,
+                                   **({"workerinput": {}} if worker else {}))
     try:
         devices.share_cores(config)
         got = torch.get_num_threads()
@@ -112,6 +114,27 @@ def test_an_xdist_worker_takes_its_share_of_the_cores_unless_threads_were_set(mo
         torch.set_num_threads(before)
     want = 16 // int(workers) if expected == "share" else before
     assert got == want, f"expected {want} torch threads ({expected}) for {workers} workers, got {got}"
+
+
+@pytest.mark.parametrize("spawning, preset, expected", [
+    (8, None, ("2", "2", "2")), (2, None, ("1", "1", "1")), (1, None, (None, None, None)),
+    (8, "OMP_NUM_THREADS", (None, None, "2")),  # BLAS reads OMP_NUM_THREADS too: the user's count stands
+    (8, "OPENBLAS_NUM_THREADS", ("5", "2", "2"))])
+def test_the_controller_gives_its_workers_a_share_of_the_cores_for_blas_and_compiles(monkeypatch, spawning, preset,
+                                                                                     expected):
+    from flashcheck import devices
+
+    envs = devices.BLAS_ENVS + (devices.COMPILE_ENV,)  # OpenBLAS, MKL, inductor
+    monkeypatch.delenv("PYTEST_XDIST_WORKER_COUNT", raising=False)
+    monkeypatch.setattr("os.cpu_count", lambda: 16 if spawning == 8 else 2)
+    for env in ("OMP_NUM_THREADS",) + envs:
+        monkeypatch.delenv(env, raising=False)
+    if preset:
+        monkeypatch.setenv(preset, "5")
+    config = types.SimpleNamespace(getoption=lambda name, default=None: spawning if name == "numprocesses" else None)
+    devices.share_cores(config)
+    got = tuple(os.environ.get(env) for env in envs)
+    assert got == expected, f"expected {envs} = {expected} for {spawning} workers (preset {preset}), got {got}"
 
 
 def test_an_earlier_runs_log_orders_the_tests_longest_first(tmp_path, monkeypatch):
