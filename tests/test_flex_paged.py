@@ -36,6 +36,27 @@ def test_flex_paged_matches_dense_float64_on_pinned_caches(c):
         props.check_sequence(impl(), c, b, res, "pinned")
 
 
+def test_flex_paged_repeats_kv_heads_where_compiled_gqa_finds_no_kernel_and_stays_exact(monkeypatch):
+    """Compiled flex raises NoValidChoicesError for GQA with a block mask at Sq < 128 < Sq G (an H200 gpu
+    lane, torch 2.11: hq=12, hkv=3, sq=33), and flex-paged always has a block mask, so its kv heads are
+    repeated there. Eager here, with the compiled path forced: the repeated heads give the same result."""
+    from flashcheck.impls import flex, flex_paged
+    calls = []
+
+    def forced(sq, hq, k, v):
+        k2, v2 = flex._ungrouped_where_no_choices(sq, hq, k, v, compiled=True)
+        calls.append((k.shape[1], k2.shape[1]))
+        return k2, v2
+
+    monkeypatch.setattr(flex_paged, "_ungrouped_where_no_choices", forced)
+    c = Cached(Case(hq=12, hkv=3, sq=33, d=8, dv=8, causal=BR, dtype="float32"), (33, 50), page_size=16, order=3,
+               spare=1)
+    res, _ = cache.run(impl(), c.case, c.call())
+    assert calls == [(3, 12)], f"expected the 3 kv heads repeated to 12, got (before, after) {calls}"
+    for b in range(len(c.lengths)):
+        props.check_sequence(impl(), c, b, res, "kv heads repeated")
+
+
 def test_flex_paged_appends_in_place_and_changes_nothing_else():
     c = PINNED[1]
     call = c.call()
