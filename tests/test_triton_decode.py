@@ -95,7 +95,7 @@ def test_a_gqa_group_of_several_row_tiles_and_masked_rows():
 
 def test_the_merge_kernel_equals_merge_splits():
     gen = torch.Generator().manual_seed(0)
-    b, hq, sq, ns, dv = 2, 3, 5, 70, 7  # 70 splits: two 64-split chunks of LSEs
+    b, hq, sq, ns, dv = 2, 3, 5, 70, 7  # 70 splits, merged one by one
     op = torch.randn(b, hq, sq, ns, dv, generator=gen)
     lp = torch.randn(b, hq, sq, ns, generator=gen) * 30
     lp[0, 1, 2] = -float("inf")  # a row that saw no key in any split
@@ -104,7 +104,7 @@ def test_the_merge_kernel_equals_merge_splits():
     o, lse = torch.empty(b, hq, sq, dv), torch.empty(b, hq, sq)
     op, lp, o, lse = (x.to(DEVICE) for x in (op, lp, o, lse))
     td.decode_merge[(b * hq, 1)](op, lp, o, lse, *op.stride(), *lp.stride(), *o.stride(), *lse.stride(), hq, sq, dv,
-                                 ns, BLOCK_R=8, CHUNK=64, DV_PAD=16)
+                                 ns, BLOCK_R=8, DV_PAD=16)
     want_o, want_lse = merge_splits(op.permute(3, 0, 1, 2, 4).cpu().double(), lp.permute(3, 0, 1, 2).cpu().double())
     assert lse[0, 1, 2] == -float("inf") and (o[0, 1, 2] == 0).all(), "a row without keys must give O = 0, LSE = -inf"
     np.testing.assert_allclose(o.cpu().double(), want_o, rtol=1e-5, atol=1e-6)
