@@ -245,6 +245,17 @@ def _no_valid_choices(hq, hkv, sq, block_masked):
     return hq != hkv and sq < 128 < sq * (hq // hkv) and block_masked
 
 
+def _ungrouped_where_no_choices(sq, hq, k, v, compiled=None):
+    """k, v (B, Hkv, S, E) with each kv head repeated for its group where GQA_NO_VALID_CHOICES would stop
+    a block-masked graph compiling at ``sq`` query rows (exact, as each query head reads its own copy
+    of the same keys; gradients sum back through repeat_interleave). Without GQA it compiles. Eager
+    flex (CPU) never needs it; ``compiled`` lets a CPU test take the repeated path."""
+    g = hq // k.shape[1]
+    if (k.is_cuda if compiled is None else compiled) and _no_valid_choices(hq, k.shape[1], sq, True):
+        return k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    return k, v
+
+
 def attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None,
               attn_mask=None, attn_bias=None):
     _check_tensors(q, k, v, WHO)

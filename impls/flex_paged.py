@@ -25,7 +25,8 @@ import torch
 from flashcheck.contract import implementation
 from flashcheck.contract.checks import alignment, check_kvcache
 from flashcheck.impls import flex
-from flashcheck.impls.flex import _CUDA, DTYPES, _check_tensors, _compute_dtype, _flex, _scores
+from flashcheck.impls.flex import (_CUDA, DTYPES, _check_tensors, _compute_dtype, _flex, _scores,
+                                   _ungrouped_where_no_choices)
 
 WHO = "flex-paged"
 
@@ -80,10 +81,13 @@ def attention(q, k_cache, v_cache, *, cache_seqlens, block_table=None, k_new=Non
     # the blocks end to end, (1, Hkv, num_blocks * page, E), shared by every batch entry (stride 0)
     kp, vp = (x.transpose(0, 1).reshape(1, hkv, n_blocks * page, x.shape[-1]).expand(b, -1, -1, -1)
               for x in (k_cache, v_cache))
+    # the block mask is always there: GQA_NO_VALID_CHOICES hits every Sq < 128 < Sq G (an H200 lane, torch
+    # 2.11: hq=12, hkv=3, sq=33 raised NoValidChoicesError), so there the kv heads are repeated
+    kp, vp = _ungrouped_where_no_choices(sq, hq, kp, vp)
     block_mask = flex.create_block_mask(mask, b, None, sq, n_blocks * page, device=q.device)
     scale = d ** -0.5 if scale is None else float(scale)
     return _flex(q, kp, vp, True, score_mod=_scores(scale, 0.0, q.device, _compute_dtype(q)),
-                 block_mask=block_mask, scale=1.0, enable_gqa=hq != hkv)
+                 block_mask=block_mask, scale=1.0, enable_gqa=hq != kp.shape[1])
 
 
 # Its dense properties repeat flex's (each dense case is a cache of B equal sequences), so on CPU, where

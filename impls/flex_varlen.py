@@ -10,7 +10,8 @@ import torch
 from flashcheck.contract import implementation
 from flashcheck.contract.checks import alignment, check_features, check_varlen
 from flashcheck.impls import flex
-from flashcheck.impls.flex import _CUDA, DTYPES, _check_tensors, _compute_dtype, _pad, _padded_heads, _run, _scores
+from flashcheck.impls.flex import (_CUDA, DTYPES, _check_tensors, _compute_dtype, _pad, _padded_heads, _run,
+                                   _scores, _ungrouped_where_no_choices)
 
 VARLEN = "flex-varlen"
 
@@ -85,12 +86,9 @@ def varlen_attention(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
         return per_token[i, h] * (diag[i] - j).abs()
 
     scale = d ** -0.5 if scale is None else float(scale)
-    g = hq // k.shape[1]
-    if q.is_cuda and g > 1 and q.shape[0] < 128 < q.shape[0] * g:
-        # flex.GQA_NO_VALID_CHOICES hits every packed batch of Tq such tokens, whatever its sequences
-        # (the issue's own per-case predicate cannot see Tq); without GQA it compiles, so the kv heads
-        # are repeated there (exact: their gradients sum back through repeat_interleave)
-        k1, v1 = (x.repeat_interleave(g, dim=1) for x in (k1, v1))
+    # flex.GQA_NO_VALID_CHOICES hits every packed batch of Tq such tokens, whatever its sequences (the
+    # issue's own per-case predicate cannot see Tq)
+    k1, v1 = _ungrouped_where_no_choices(q.shape[0], hq, k1, v1)
     if flex.PAD:  # heads padded to a multiple of 4 where compiled, as impls/flex.py says why
         q1, k1, v1 = _padded_heads(q1, k1, v1, batch=False)
         per_token = _pad(per_token.T, q1.shape[1], per_token.shape[0], 0.0).T

@@ -124,7 +124,7 @@ def decode_split(Q, K, V, SEQLENS, TABLE, OP, LP,
 @triton.jit(do_not_specialize=["Hq", "Sq", "Dv", "NS"])
 def decode_merge(OP, LP, O, LSE, sob, soh, som, sos, sod, slb, slh, slm, sls, oob, ooh, oom, ood, llb, llh, llm,
                  Hq, Sq, Dv, NS,
-                 BLOCK_R: tl.constexpr, CHUNK: tl.constexpr, DV_PAD: tl.constexpr):
+                 BLOCK_R: tl.constexpr, DV_PAD: tl.constexpr):
     """Program (b * Hq + h, row tile): O and LSE of BLOCK_R rows from their NS partial states.
 
     As flashcheck.merge.merge_splits: m = max_s lse_s, w_s = exp(lse_s - m), LSE = m + log(sum_s w_s),
@@ -134,22 +134,19 @@ def decode_merge(OP, LP, O, LSE, sob, soh, som, sos, sod, slb, slh, slm, sls, oo
     h = (pid_bh % Hq).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < Sq
-    offs_c = tl.arange(0, CHUNK)
     offs_dv = tl.arange(0, DV_PAD)
     lp_rows = LP + b * slb + h * slh + rows * slm
-    # the splits' LSEs CHUNK at a time (one chunk up to 64 splits), so many splits need no wide tile
+    # Split by split, with no reduction over a (rows, splits) tile: a loop-carried tl.max / tl.sum over
+    # chunks of splits failed Triton's TritonGPUOptimizeThreadLocality pass on an H200 (Triton 3.6) at
+    # 16 rows x 32 splits ("PassManager::run failed", the gpu lane at Sq = 194, num_splits = 17).
     m = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    for c in range(0, NS, CHUNK):
-        ok = row_ok[:, None] & (c + offs_c[None, :] < NS)
-        ls = tl.load(lp_rows[:, None] + (c + offs_c[None, :]) * sls, mask=ok, other=float("-inf"))
-        m = tl.maximum(m, tl.max(ls, 1))
+    for s in range(0, NS):
+        m = tl.maximum(m, tl.load(lp_rows + s * sls, mask=row_ok, other=float("-inf")))
     empty = m == float("-inf")  # -inf in every split: the row sees no key at all
     m0 = tl.where(empty, 0.0, m)
     total = tl.zeros([BLOCK_R], tl.float32)
-    for c in range(0, NS, CHUNK):
-        ok = row_ok[:, None] & (c + offs_c[None, :] < NS)
-        ls = tl.load(lp_rows[:, None] + (c + offs_c[None, :]) * sls, mask=ok, other=float("-inf"))
-        total += tl.sum(tl.exp(ls - m0[:, None]), 1)  # each at most 1; exp(-inf) = 0 for an empty split
+    for s in range(0, NS):  # each term at most 1; exp(-inf) = 0 for an empty split
+        total += tl.exp(tl.load(lp_rows + s * sls, mask=row_ok, other=float("-inf")) - m0)
     inv = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, total))
     acc = tl.zeros([BLOCK_R, DV_PAD], tl.float32)
     op_rows = OP + b * sob + h * soh + rows * som
@@ -269,8 +266,7 @@ def launch(q, k_cache, v_cache, cache_seqlens, block_table=None, *, causal=False
         br = min(16, max(2, triton.next_power_of_2(sq)))  # no 1-wide tiles: decoding's Sq = 1 pads to 2 rows
         decode_merge[(bsz * hq, triton.cdiv(sq, br))](
             op, lp, o, lse, *op.stride(), *lp.stride(), *o.stride(), *lse.stride(), hq, sq, dv, num_splits,
-            BLOCK_R=br, CHUNK=min(64, triton.next_power_of_2(num_splits)), DV_PAD=dvpad,
-            num_warps=4)  # one warp failed to compile at 32+ splits on an H200 (Triton 3.6, TritonGPUOptimizeThreadLocality)
+            BLOCK_R=br, DV_PAD=dvpad, num_warps=4)
     return o, lse
 
 
