@@ -38,6 +38,14 @@ def gpus() -> list[str]:
     return [str(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity, as xdist's -n auto counts them), not the host's."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):  # not on Linux
+        return os.cpu_count() or 1
+
+
 def workers_per_gpu(n_gpus: int, cores: int | None = None) -> int:
     text = os.environ.get(PER_GPU_ENV)
     if text:
@@ -48,7 +56,7 @@ def workers_per_gpu(n_gpus: int, cores: int | None = None) -> int:
         if n < 1:
             raise ValueError(f"{PER_GPU_ENV}={text!r}: expected a whole number of workers >= 1")
         return n
-    cores = cores or os.cpu_count() or 1
+    cores = cores or usable_cores()
     return max(1, cores // 2 // max(1, n_gpus))
 
 
@@ -148,7 +156,7 @@ def share_cores(config):
     core for its compiles."""
     if not hasattr(config, "workerinput"):
         spawning = config.getoption("numprocesses", None)
-        share = (os.cpu_count() or 1) // spawning if isinstance(spawning, int) and spawning > 1 else 0
+        share = usable_cores() // spawning if isinstance(spawning, int) and spawning > 1 else 0
         for env in BLAS_ENVS + (COMPILE_ENV,):
             user_set = os.environ.get(env) or (env in BLAS_ENVS and os.environ.get("OMP_NUM_THREADS"))
             if share and not user_set:
@@ -159,7 +167,7 @@ def share_cores(config):
         return
     import torch
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+    torch.set_num_threads(max(1, usable_cores() // workers))
 
 
 def steal_work(config, profile):

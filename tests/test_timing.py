@@ -100,7 +100,7 @@ def test_an_xdist_worker_takes_its_share_of_the_cores_unless_threads_were_set(mo
 
     before = torch.get_num_threads()
     monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", workers)
-    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    monkeypatch.setattr(devices, "usable_cores", lambda: 16)
     if preset is None:
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     else:
@@ -126,7 +126,7 @@ def test_the_controller_gives_its_workers_a_share_of_the_cores_for_blas_and_comp
 
     envs = devices.BLAS_ENVS + (devices.COMPILE_ENV,)  # OpenBLAS, MKL, inductor
     monkeypatch.delenv("PYTEST_XDIST_WORKER_COUNT", raising=False)
-    monkeypatch.setattr("os.cpu_count", lambda: 16 if spawning == 8 else 2)
+    monkeypatch.setattr(devices, "usable_cores", lambda: 16 if spawning == 8 else 2)
     for env in ("OMP_NUM_THREADS",) + envs:
         monkeypatch.delenv(env, raising=False)
     if preset:
@@ -135,6 +135,14 @@ def test_the_controller_gives_its_workers_a_share_of_the_cores_for_blas_and_comp
     devices.share_cores(config)
     got = tuple(os.environ.get(env) for env in envs)
     assert got == expected, f"expected {envs} = {expected} for {spawning} workers (preset {preset}), got {got}"
+
+
+def test_the_cores_shared_out_are_those_the_process_may_run_on_not_the_host_s(monkeypatch):
+    from flashcheck import devices
+
+    monkeypatch.setattr("os.cpu_count", lambda: 64)  # a container on a big host, pinned to two cores
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {4, 5}, raising=False)
+    assert devices.usable_cores() == 2, f"expected the 2 cores of the affinity, got {devices.usable_cores()}"
 
 
 def test_an_earlier_runs_log_orders_the_tests_longest_first(tmp_path, monkeypatch):
