@@ -1,6 +1,5 @@
 """The plug-in path: loading by file and module, repeated --impl, FLASHCHECK_IMPL, clear errors."""
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -9,6 +8,7 @@ import pytest
 from flashcheck.contract import ContractError, KnownIssue, builtins, implementation, load
 from flashcheck.impls import builtin
 from flashcheck.strategies import context
+from mutants import forked
 
 pytestmark = pytest.mark.properties
 ROOT = Path(__file__).resolve().parent.parent
@@ -21,9 +21,9 @@ def _in_the_checkout(monkeypatch):
 
 
 def _pytest(*args, env=None):
+    """A whole pytest run in a fork of the warm server (mutants/forked.py); stdout holds stderr too."""
     full_env = {k: v for k, v in os.environ.items() if k != "FLASHCHECK_IMPL"} | (env or {})
-    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args], cwd=ROOT,
-                          env=full_env, capture_output=True, text=True, timeout=300)
+    return forked.pytest_run(["-p", "no:cacheprovider", *args], cwd=ROOT, env=full_env, timeout=300)
 
 
 def test_load_by_file_and_by_module_give_the_declared_record():
@@ -303,7 +303,7 @@ def test_repeated_impl_and_the_environment_select_the_same_implementations():
 
 def test_a_bad_impl_stops_pytest_with_one_clear_line():
     run = _pytest("-m", "properties", "--collect-only", "--impl", "nowhere.py:f")
-    assert run.returncode != 0 and "no such file" in run.stderr, run.stderr[-2000:]
+    assert run.returncode != 0 and "no such file" in run.stdout, run.stdout[-2000:]
 
 
 def test_head_dims_may_be_a_range_a_stepped_range_or_a_set():
