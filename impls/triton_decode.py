@@ -34,9 +34,12 @@ import triton
 import triton.language as tl
 
 from flashcheck.contract import implementation
+from flashcheck.impls import interpreter
 from flashcheck.contract.checks import alignment, check_kvcache
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+if INTERPRET:
+    interpreter.quicken()  # helpers called in every tile, without the interpreter re-swapping tl each time
 DTYPES = ("float16", "float32") if INTERPRET else ("float16", "bfloat16", "float32")
 # The interpreter runs each program's tiles one by one in NumPy: its lane stops at 256, as triton-fused's.
 INTERPRET_MAX_SEQ = 256 if INTERPRET else None

@@ -46,11 +46,14 @@ import torch
 import triton
 
 from flashcheck.contract import implementation
+from flashcheck.impls import interpreter
 from flashcheck.contract.memory import MEMORY
 from flashcheck.contract.checks import alignment, check_inputs, dtype_name, offset
 from flashcheck.impls import triton_kernels as K
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+if INTERPRET:
+    interpreter.quicken()  # helpers called in every tile, without the interpreter re-swapping tl each time
 DTYPES = ("float16", "float32") if INTERPRET else ("float16", "bfloat16", "float32")
 # The CPU interpreter runs a 2048 x 2048 forward and backward in about 30 s: its lane stops at 256.
 INTERPRET_MAX_SEQ = 256 if INTERPRET else None
