@@ -36,11 +36,11 @@ import math
 import os
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from flashcheck.contract import KnownIssue, implementation
 from flashcheck.contract.checks import alignment, check_inputs, check_tensors
+from flashcheck.impls import cudnn
 
 # JAX grabs 75% of the GPU's memory at its first CUDA call unless told not to, which would
 # starve torch and the suite's other kernels in the same process.
@@ -202,15 +202,6 @@ def _degenerate(c) -> bool:
     return c.batch == 1 and c.hkv == 1 and sum(n > 1 for n in (c.hq * c.sq, c.sk, c.d)) <= 1
 
 
-def _lowest_row_max(c) -> float:
-    """The smallest, over the rows that see a key, of a row's largest visible logit (the case's own inputs)."""
-    q, k, _, _ = c.inputs()
-    logits = c.effective_scale * (q @ np.swapaxes(np.repeat(k, c.hq // c.hkv, axis=1), -1, -2))
-    seen = np.broadcast_to(c.visible(), logits.shape)
-    top = np.where(seen, logits, -np.inf).max(axis=-1)
-    return float(top[seen.any(axis=-1)].min(initial=np.inf))
-
-
 # Found by this suite on XLA:CPU (jax/jaxlib 0.10.2): bf16 attention with one batch and one key/value
 # head, where at most one of Hq * Sq, Sk, D exceeds 1, fails to compile under jit: "Algorithm not supported
 # by the ElementalIrEmitter: ALG_DOT_BF16_BF16_F32" (the dot algorithm jax asks for in bf16).
@@ -262,18 +253,7 @@ if _CUDA:
         applies=lambda c: c.scale is not None and c.scale <= 0,
         witness=dict(sq=64, sk=64, d=8, dv=8, scale=0.0, dtype="float16"),
         failure=r"got \S*nan")
-    # Found by the gpu lane on an H200 (jax 0.11, 2026-12-02 and 2026-12-04), then measured with jax
-    # alone (scratch probes, docs/findings.md): the backward's dQ is NaN on every query row whose
-    # logits are all strongly negative, when Sk is not a multiple of 128 (NaN at Sk = 64 and 192,
-    # none at 128 and 256). The edge moves with the type's range: in fp16 rows whose logits are all
-    # about -16 or lower fail (finite at -14), in bf16 all about -96 or lower (finite at -64); O, dK
-    # and dV stay right. The bounds declared below leave a margin above the measured edges.
-    CUDNN_LOW_ROW_DQ_NAN = KnownIssue(
-        "jax cuDNN attention: with Sk not a multiple of 128, dQ is NaN on rows whose every logit is strongly "
-        "negative (below about -16 in fp16, -96 in bf16)",
-        applies=lambda c: c.sk % 128 != 0 and _lowest_row_max(c) < {"float16": -10.0, "bfloat16": -60.0}.get(c.dtype, -np.inf),
-        witness=dict(sq=128, sk=64, d=16, dv=16, dtype="float16", regime="negative"),
-        failure=r"got \S*nan")
+    CUDNN_LOW_ROW_DQ_NAN = cudnn.low_row_dq_nan("jax cuDNN attention")
     _hopper = torch.cuda.get_device_capability() >= (9, 0)
     def _cudnn_supports(c):
         # Seen on an H200 (jax 0.11): forward and backward raise "NotImplementedError: Unsupported

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from flashcheck.contract import KnownIssue, implementation
 from flashcheck.contract.memory import DEFAULT, MEMORY
 from flashcheck.contract.checks import alignment, check_features, check_inputs, check_tensors
+from flashcheck.impls import cudnn
 from flashcheck.oracle.rounding import DTYPES
 
 try:
@@ -271,7 +272,7 @@ if _CUDA:
         # messages were lost with the run, so until they are triaged it declares no masks.
         cudnn_attention = _register("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION, devices=("cuda",),
                                     dtypes=("float16", "bfloat16"), head_dims=(1, 128), head_dim_multiple=8,
-                                    min_keys=2, known_issues=[CUDA_ZERO_SCALE],
+                                    min_keys=2, known_issues=[CUDA_ZERO_SCALE, cudnn.low_row_dq_nan("cuDNN SDPA")],
                                     **_cuda(SDPBackend.CUDNN_ATTENTION) | {"masks": False, "bias": False})
 elif _available("sdpa-flash", SDPBackend.FLASH_ATTENTION):
     # The CPU flash kernel (aten _scaled_dot_product_flash_attention_for_cpu).
