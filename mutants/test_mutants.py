@@ -18,7 +18,11 @@ except ImportError:  # no triton here: its mutants cannot run, the NumPy ones st
 
 pytestmark = pytest.mark.mutants
 
-MUTANTS = [(f"mutants/tiled.py:{bug}", what) for bug, what in tiled.BUGS.items()]
+MUTANTS = []
+if triton_mutants is not None:  # first: the interpreter makes these the longest kills
+    MUTANTS += [(f"mutants/triton.py:{bug}", what) for bug, what in triton_mutants.BUGS.items()]
+    MUTANTS += [(f"mutants/triton.py:{bug}", what) for bug, what in triton_mutants.FEATURE_BUGS.items()]
+MUTANTS += [(f"mutants/tiled.py:{bug}", what) for bug, what in tiled.BUGS.items()]
 MUTANTS += [(f"mutants/features.py:{bug}", what) for bug, what in features.BUGS.items()]
 MUTANTS += [(f"mutants/fixed_tiles.py:{bug}", what) for bug, what in fixed_tiles.BUGS.items()]
 MUTANTS += [(f"mutants/varlen.py:{bug}", what) for bug, what in varlen.BUGS.items()]
@@ -29,9 +33,6 @@ MUTANTS += [(f"mutants/races.py:{bug}", what) for bug, what in races.BUGS.items(
 MUTANTS += [(f"mutants/masks.py:{bug}", what) for bug, what in masks.BUGS.items()]
 if call.cuda_available():  # launch context: streams and graphs are CUDA's
     MUTANTS += [(f"mutants/launch.py:{bug}", what) for bug, what in launch.BUGS.items()]
-if triton_mutants is not None:
-    MUTANTS += [(f"mutants/triton.py:{bug}", what) for bug, what in triton_mutants.BUGS.items()]
-    MUTANTS += [(f"mutants/triton.py:{bug}", what) for bug, what in triton_mutants.FEATURE_BUGS.items()]
 # Offsets that wrap past 2^31 elements show only in the gpu-scale profile's giant cases, on CUDA.
 SCALE = []
 if triton_mutants is not None and call.cuda_available() and os.environ.get("FLASHCHECK_PROFILE") == "gpu-scale":
