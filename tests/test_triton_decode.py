@@ -19,7 +19,8 @@ from flashcheck.strategies import AttentionCase as Case  # noqa: E402
 from flashcheck.strategies.kvcache import Cached  # noqa: E402
 
 td = pytest.importorskip("flashcheck.impls.triton_decode")
-pytestmark = [pytest.mark.properties, *([pytest.mark.interpreter] if td.INTERPRET else []),  # -m "not interpreter" leaves them out on CPU
+# on CPU these run in Triton's interpreter: -m "not interpreter" leaves them out there
+pytestmark = [pytest.mark.properties, *([pytest.mark.interpreter] if td.INTERPRET else []),
               pytest.mark.skipif(not td.INTERPRET and not torch.cuda.is_available(),
                                  reason="needs CUDA, or TRITON_INTERPRET=1 set before triton is imported")]
 BR = "bottom_right"

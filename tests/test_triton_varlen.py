@@ -20,7 +20,8 @@ from flashcheck.strategies import AttentionCase as Case  # noqa: E402
 from flashcheck.strategies.varlen import Packed  # noqa: E402
 
 tv = pytest.importorskip("flashcheck.impls.triton_varlen")
-pytestmark = [pytest.mark.properties, *([pytest.mark.interpreter] if tv.tf.INTERPRET else []),  # -m "not interpreter" leaves them out on CPU
+# on CPU these run in Triton's interpreter: -m "not interpreter" leaves them out there
+pytestmark = [pytest.mark.properties, *([pytest.mark.interpreter] if tv.tf.INTERPRET else []),
               pytest.mark.skipif(not tv.tf.INTERPRET and not torch.cuda.is_available(),
                                  reason="needs CUDA, or TRITON_INTERPRET=1 set before triton is imported")]
 BR, TL = "bottom_right", "top_left"
