@@ -130,6 +130,8 @@ class Timing:
         if inner is not None:
             from hypothesis.errors import UnsatisfiedAssumption
 
+            from flashcheck.strategies.context import BudgetSpent
+
             def verdict(kwargs):  # one more example ran to a verdict
                 counted[0] += 1
                 if self.log:
@@ -142,7 +144,7 @@ class Timing:
             def counting(*args, **kwargs):
                 try:
                     out = inner(*args, **kwargs)
-                except UnsatisfiedAssumption:  # a rejected draw: no example
+                except (UnsatisfiedAssumption, BudgetSpent):  # a rejected draw, or the budget's end: no example
                     raise
                 except BaseException:
                     verdict(kwargs)

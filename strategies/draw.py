@@ -301,7 +301,7 @@ def fit(impl, case: AttentionCase) -> AttentionCase:
     spent = generated and not test.failed and test.generated_from is not None
     if spent and time.monotonic() > test.generated_from + test.budget:
         test.last_refusal = BUDGET_SPENT
-        reject()  # Hypothesis ends the property once its refusals pile up: a night sized by time
+        raise context.BudgetSpent(BUDGET_SPENT)  # the property ends here: a night sized by time
     c, why = supported(impl, case)
     if c is None:
         _pin_report(case, f"not run: {why}")

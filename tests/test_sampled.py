@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from flashcheck import oracle as orc
-from flashcheck.oracle import sampled
+from flashcheck.oracle import bounds, sampled
 from flashcheck.strategies import REGIMES, AttentionCase as Case
 
 pytestmark = pytest.mark.selftest
@@ -110,3 +110,24 @@ def test_dk_and_dv_at_a_subset_of_the_rows_are_refused_by_name():
     case = CASES[0]
     with pytest.raises(ValueError, match="dk sums over every query row, and 3 of 37 rows were sampled"):
         sampled.entries(case, "dk", np.zeros((2, 2, 29, 8)), np.arange(3))
+
+
+CHUNKED = CASES + [CASES[0].replace(precision="prescaled"), CASES[4].replace(precision="tf32+prescaled+delta"),
+                   CASES[2].replace(precision="dense")]
+
+
+@pytest.mark.parametrize("case", CHUNKED, ids=lambda c: f"{c.dtype}-{c.regime}-{'+'.join(c.features) or 'plain'}-{c.precision}")
+def test_the_terms_evaluated_in_chunks_of_rows_are_the_whole_problems(case, monkeypatch):
+    """bounds.py evaluates a large problem a few query rows at a time (dK's and dV's terms summed over the
+    chunks): the terms of every result are those of the whole problem at once."""
+    pt, ds = orc.rule._parts(case), orc.rule._dscores(case)
+    with np.errstate(over="ignore"):  # as the rule calls it: an infinite variance is honest
+        whole = dict(bounds.rounding_bounds(case, pt, ds, orc.rule.half_spacing))
+    monkeypatch.setattr(bounds, "CHUNK", 3 * case.batch * case.hq * case.sk)  # three rows a chunk
+    chunks = bounds._row_chunks(case, pt, orc.rule.Precision.of(case.dtype, case.precision))
+    assert len(chunks) == (1 if case.precision == "dense" else -(-case.sq // 3)), chunks  # "dense": ties down columns
+    with np.errstate(over="ignore"):
+        chunked = dict(bounds.rounding_bounds(case, pt, ds, orc.rule.half_spacing))
+    for name in sampled.NAMES + sampled.KEY_NAMES:
+        assert chunked[name].shape == whole[name].shape and np.allclose(chunked[name], whole[name], rtol=1e-12, atol=0), (
+            f"{name}: expected the whole problem's terms, worst ratio {float(np.max(chunked[name] / whole[name])):.15g}")

@@ -12,7 +12,7 @@ with its own terms: ``_o``, ``_lse``, ``_dv``, ``_dq``, ``_dk``.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -270,19 +270,29 @@ def _lse(s: Scores, u: Units):
                   u.sum_of(p.shape[-1]) + 2 * u.acc * np.abs(s.lse[..., 0]) + (p * s.pre).sum(-1) + sink)
 
 
-def _dv(s: Scores, u: Units):
-    """dV_j = sum_i P_ij dO_i over the rows of every head of the group."""
-    p, rows = s.p, s.p.shape[-2] * s.p.shape[2]
-    pdo = _swap(p) @ s.ado
-    coh = u.sum_of(rows) * pdo.sum(2) + ((_swap(s.wp) @ s.ado).sum(2) if s.pre.any() else 0.0)
+def _dv_sums(s: Scores, u: Units) -> dict:
+    """dV's terms as sums over query rows, per query head (B, Hkv, G, Sk, Dv): a chunk of rows adds its own."""
+    p, ado = s.p, s.ado
+    out = {"pdo": _swap(p) @ ado, "w": _swap(s.w) @ ado, "var": _swap(s.w2_rest + s.w2_p * s.n_col) @ (ado * ado)}
+    if s.pre.any():
+        out["wp"] = _swap(s.wp) @ ado
+    if u.tr or s.q.shape[2] > 1:
+        out["pdo_signed"] = _swap(p) @ s.do
+    return out
+
+
+def _dv(t: dict, rows: int, u: Units):
+    """dV_j = sum_i P_ij dO_i over the rows of every head of the group, from _dv_sums' sums over ``rows`` rows."""
+    pdo = t["pdo"].sum(2)
+    coh = u.sum_of(rows) * pdo + (t["wp"].sum(2) if "wp" in t else 0.0)
     if u.tr:
-        coh = coh + _trunc_mean((_swap(p) @ s.do).sum(2), pdo.sum(2), u.tr)
-    dv = _bound((_swap(s.w) @ s.ado).sum(2), (_swap(s.w2_rest + s.w2_p * s.n_col) @ (s.ado * s.ado)).sum(2), coh)
-    if s.q.shape[2] > 1:  # GQA: FlashAttention-2 rounds each query head's dV to t, then sums the group;
+        coh = coh + _trunc_mean(t["pdo_signed"].sum(2), pdo, u.tr)
+    dv = _bound(t["w"].sum(2), t["var"].sum(2), coh)
+    if t["pdo"].shape[2] > 1:  # GQA: FlashAttention-2 rounds each query head's dV to t, then sums the group;
         # each head's dV that lies among fp16's subnormals errs by up to half their spacing, not u |dV|
         # (SDPA flash on an H200: a key seen by one row per head, P ~ 1e-6, four heads)
-        heads = (pdo > 0).sum(2)
-        dv = dv + u.p * np.abs(_swap(p) @ s.do).sum(2) + u.sub * heads
+        heads = (t["pdo"] > 0).sum(2)
+        dv = dv + u.p * np.abs(t["pdo_signed"]).sum(2) + u.sub * heads
     return dv
 
 
@@ -371,23 +381,32 @@ def _dq(s: Scores, g: DScores, u: Units):
                          g.eta2 @ (ak * ak) + g.d_var * g.pk * g.pk + g.sub_sc * g.sub_sc / 3 @ (ak * ak), coh)
 
 
-def _dk(s: Scores, g: DScores, u: Units):
-    """dK_j = scale sum_i dS_ij q_i over the rows of every head of the group."""
-    aq, rows = s.aq, s.p.shape[-2] * s.p.shape[2]
-    at_max = g.e_row * np.where(s.vis, 1.0, 0.0)  # the max's residue, on whichever visible key is the argmax
-    coh = u.sum_of(rows) * (_swap(g.a_ds) @ aq).sum(2) + (_swap(at_max) @ aq).sum(2)
-    if s.pre.any():  # the pre-scaled operand is also a factor of dK (Q'): its rounding counts once more
-        coh = coh + (_swap(g.ds_pre + g.p_hi * g.d_pre) @ aq).sum(2)
-    if u.tr:
-        coh = coh + _trunc_mean((_swap(g.ds) @ s.q).sum(2), (_swap(g.a_ds) @ aq).sum(2), u.tr)
+def _dk_sums(s: Scores, g: DScores, u: Units) -> dict:
+    """dK's terms as sums over query rows, per query head (B, Hkv, G, Sk, D): a chunk of rows adds its own."""
+    aq = s.aq
     ones = np.ones_like(aq)
-    q_sub = (_swap(g.a_ds * g.sub_sc) @ ones).sum(2), (_swap(g.ds * g.ds * g.sub_sc * g.sub_sc / 3) @ ones).sum(2)
-    pd, pd2 = g.p_hi * g.d_worst, s.p * s.p * g.d_var
-    dk = s.sc * _bound((_swap(g.eta + pd + g.sub_sc) @ aq).sum(2) + q_sub[0],
-                       (_swap(g.eta2 + pd2 + g.sub_sc * g.sub_sc / 3) @ (aq * aq)).sum(2) + q_sub[1], coh)
-    if s.q.shape[2] > 1:  # GQA: FlashAttention-2 rounds each query head's dK to t, then sums the group
-        heads = ((_swap(g.a_ds) @ aq) > 0).sum(2)  # (as in _dv: fp16 subnormals err absolutely)
-        dk = dk + u.p * s.sc * np.abs(_swap(g.ds) @ s.q).sum(2) + u.sub * heads
+    out = {"ads": _swap(g.a_ds) @ aq,
+           "at_max": _swap(g.e_row * np.where(s.vis, 1.0, 0.0)) @ aq,  # the max's residue, on whichever visible key is the argmax
+           "w": _swap(g.eta + g.p_hi * g.d_worst + g.sub_sc) @ aq + _swap(g.a_ds * g.sub_sc) @ ones,
+           "var": (_swap(g.eta2 + s.p * s.p * g.d_var + g.sub_sc * g.sub_sc / 3) @ (aq * aq)
+                   + _swap(g.ds * g.ds * g.sub_sc * g.sub_sc / 3) @ ones)}
+    if s.pre.any():  # the pre-scaled operand is also a factor of dK (Q'): its rounding counts once more
+        out["pre"] = _swap(g.ds_pre + g.p_hi * g.d_pre) @ aq
+    if u.tr or s.q.shape[2] > 1:
+        out["dsq"] = _swap(g.ds) @ s.q
+    return out
+
+
+def _dk(t: dict, rows: int, sc: float, u: Units):
+    """dK_j = scale sum_i dS_ij q_i over the rows of every head of the group, from _dk_sums' sums."""
+    ads = t["ads"].sum(2)
+    coh = u.sum_of(rows) * ads + t["at_max"].sum(2) + (t["pre"].sum(2) if "pre" in t else 0.0)
+    if u.tr:
+        coh = coh + _trunc_mean(t["dsq"].sum(2), ads, u.tr)
+    dk = sc * _bound(t["w"].sum(2), t["var"].sum(2), coh)
+    if t["ads"].shape[2] > 1:  # GQA: FlashAttention-2 rounds each query head's dK to t, then sums the group
+        heads = (t["ads"] > 0).sum(2)  # (as in _dv: fp16 subnormals err absolutely)
+        dk = dk + u.p * sc * np.abs(t["dsq"]).sum(2) + u.sub * heads
     return dk
 
 
@@ -418,26 +437,86 @@ class Terms(Mapping):
         return 5
 
 
+# Entries of B x Hq x rows x Sk per chunk of query rows (each of the dozens of arrays a chunk's terms
+# make is then 8 MB). On 2048 x 2048 logits, the whole problem at once made each a 64 MB temporary,
+# page-faulted in and streamed through memory: 2.3x the time of the chunked terms on a 2-core machine
+# (scratch measurement, O to dK; problems below one chunk are unchanged).
+CHUNK = 2 ** 20
+
+
+class RowView:
+    """The case as the terms read it, holding only some of its query rows (``vis``: their visibility)."""
+
+    def __init__(self, case, vis: np.ndarray):
+        self._case, self._vis, self.sq = case, vis, vis.shape[-2]
+
+    def __getattr__(self, name):
+        return getattr(self._case, name)
+
+    def visible_grouped(self):
+        return self._vis
+
+
+def _row_chunks(case, pt, pr: Precision):
+    """Slices of query rows to evaluate one at a time: every term but dV's and dK's is a function of
+    one row (its scores, its P, its LSE, its D; sampled.py relies on the same), and theirs are sums
+    over rows, which add up chunk by chunk. With P normalized first, equal P along a key's column round
+    alike (``ties`` over every row), so that precision takes the whole problem at once."""
+    b, hkv, g, sq, sk = pt.p.shape
+    rows = max(1, CHUNK // max(1, b * hkv * g * sk))
+    if pr.p_normalized or rows >= sq:
+        return [slice(0, sq)]
+    return [slice(r, min(sq, r + rows)) for r in range(0, sq, rows)]
+
+
+def _rows_of(case, pt, dscores, cut: slice):
+    """(case, parts, dscores) cut to the query rows ``cut`` (parts in the grouped layout (B, Hkv, G, Sq, .))."""
+    if cut == slice(0, pt.p.shape[-2]):
+        return case, pt, dscores
+    row = (Ellipsis, cut, slice(None))
+    part = replace(pt, q=pt.q[row], do=pt.do[row], s=pt.s[row], p=pt.p[row], o=pt.o[row], lse=pt.lse[..., cut],
+                   psink=None if pt.psink is None else pt.psink[..., cut])
+    return RowView(case, case.visible_grouped()[row]), part, tuple(x[row] for x in dscores)
+
+
 def rounding_bounds(case, pt, dscores, half_spacing) -> Terms:
     """The rounding terms of the rule, per entry, for every result (shapes as the results');
-    ``dscores``: (dP, dP - D, dS), or a function giving them (asked only for the gradients' terms)."""
+    ``dscores``: (dP, dP - D, dS), or a function giving them (asked only for the gradients' terms).
+    Large problems are evaluated in chunks of query rows (_row_chunks); the terms are the same."""
     pr = Precision.of(case.dtype, case.precision)
     u = Units.of(pr)
     shape = {"o": (case.batch, case.hq, case.sq, case.dv), "lse": (case.batch, case.hq, case.sq),
              "dq": (case.batch, case.hq, case.sq, case.d)}
+    chunks = _row_chunks(case, pt, pr)
+    rows = pt.p.shape[2] * pt.p.shape[3]  # every query row of a key/value head's group
 
     def done(out):
         return {n: b.reshape(shape[n]) + FTZ[pr.acc] if n in shape else b + FTZ[pr.acc] for n, b in out.items()}
 
-    def forward():
-        s = _scores(case, pt, pr, u)
+    def forward(c, part):
+        s = _scores(c, part, pr, u)
         return s, _o_terms(s, u)
 
     def backward(kept):
         with np.errstate(over="ignore"):  # as the caller's, around the forward terms
-            s, o_terms = kept or forward()
-            g = _dscores(case, s, u, dscores() if callable(dscores) else dscores, o_terms, half_spacing, pr.out_fmt)
-            return done({"dv": _dv(s, u), "dq": _dq(s, g, u), "dk": _dk(s, g, u)})
+            ds_all = dscores() if callable(dscores) else dscores
+            dq, dv_sums, dk_sums = [], {}, {}
+            for i, cut in enumerate(chunks):
+                c, part, ds = _rows_of(case, pt, ds_all, cut)
+                s, o_terms = kept[i] if kept else forward(c, part)
+                g = _dscores(c, s, u, ds, o_terms, half_spacing, pr.out_fmt)
+                dq.append(_dq(s, g, u))
+                for total, new in ((dv_sums, _dv_sums(s, u)), (dk_sums, _dk_sums(s, g, u))):
+                    for name, x in new.items():
+                        total[name] = total[name] + x if name in total else x
+            return done({"dv": _dv(dv_sums, rows, u), "dq": np.concatenate(dq, axis=-2),
+                         "dk": _dk(dk_sums, rows, abs(pt.scale), u)})
 
-    s, o_terms = forward()
-    return Terms(done({"o": _bound(*o_terms), "lse": _lse(s, u)}), backward, (s, o_terms))
+    o, lse, kept = [], [], []
+    for cut in chunks:
+        c, part, _ = _rows_of(case, pt, (), cut)
+        s, o_terms = forward(c, part)
+        o.append(_bound(*o_terms))
+        lse.append(_lse(s, u))
+        kept.append((s, o_terms))  # the gradients' terms start from these
+    return Terms(done({"o": np.concatenate(o, axis=-2), "lse": np.concatenate(lse, axis=-1)}), backward, kept)

@@ -51,19 +51,6 @@ def _refuse(case: AttentionCase, name: str, rows: np.ndarray):
         raise ValueError(f"the sampled oracle cannot judge {name} of {case!r}: {why}")
 
 
-class _Rows:
-    """The case as bounds.py reads it, holding only ``rows`` of its queries."""
-
-    def __init__(self, case: AttentionCase, rows: np.ndarray, vis: np.ndarray):
-        self._case, self.sq, self._vis = case, len(rows), vis
-
-    def __getattr__(self, name):
-        return getattr(self._case, name)
-
-    def visible_grouped(self):
-        return self._vis
-
-
 def _row_kwargs(case: AttentionCase, rows: np.ndarray) -> dict:
     """The reference's keyword arguments, its mask and bias tensors cut to ``rows``."""
     kw = case.reference_kwargs()
@@ -97,7 +84,7 @@ def parts(case: AttentionCase, rows: np.ndarray, inputs=None, naive: dict | None
     dp = dog @ np.swapaxes(vg, -1, -2)
     dp_minus_d = dp - (dog * pt.o).sum(-1, keepdims=True)
     with np.errstate(over="ignore"):
-        terms = bounds.rounding_bounds(_Rows(case, rows, vis), pt, (dp, dp_minus_d, p * dp_minus_d),
+        terms = bounds.rounding_bounds(bounds.RowView(case, vis), pt, (dp, dp_minus_d, p * dp_minus_d),
                                        rule.half_spacing)
     truth = {"o": o, "lse": lse, "dq": dq}
     if len(rows) < case.sq:
