@@ -18,7 +18,7 @@ each one, either always or under a declared precision:
 | with GQA, each query head's dK and dV rounded to the input type, then summed over the group (FlashAttention-2, SDPA flash) | always |
 | an exp2 softmax: scores times log2(e), the max and the LSE in log2 units, times ln 2 at the end (FlashAttention, FlexAttention) | always |
 | TF32 operands rounded to nearest (JAX Pallas) or by truncation (Triton's dots on an H200) | "tf32" |
-| P divided by its row sum before it is rounded, dP rounded to the input type (dense attention with a float32 softmax and its autodiff: XLA) | "dense" |
+| P divided by its row sum before it is rounded, dP rounded to the input type; autodiff's softmax vjp, D = rowsum(dP * P) with dS kept in float32 (dense attention with a float32 softmax and its autodiff: XLA) | "dense" |
 | q * scale, or k * scale * log2(e), rounded to the input type before QK^T (Triton's tutorial) | "prescaled" |
 | D = rowsum(dO * O) from products rounded to the input type, D itself rounded to it (JAX Pallas's mha) | "delta" |
 
@@ -114,6 +114,7 @@ class Sites:
     heads_rounded: bool = False  # GQA: each query head's dK, dV rounded to t before the group's sum
     exp2: bool = False  # scores times log2(e) in the accumulator, exp2, the LSE kept in log2 units (times ln 2 at the end)
     delta_rounded: bool = False  # D = rowsum(dO * O): each product rounded to t, the float32 sum rounded to t
+    softmax_vjp: bool = False  # autodiff of a dense softmax: D = rowsum(dP * P), dS kept in float32 for its products
 
     def admitted_by(self, dtype: str) -> str:
         """The smallest precision whose rule admits these sites for inputs of ``dtype``."""
@@ -184,22 +185,28 @@ def fused(q, k, v, do, visible, scale: float, pr: Precision, sites: Sites = Site
         dp = rt(dp)
     if sites.delta_rounded:  # Pallas: jnp.sum(o * do) on half operands, stored through the input type
         delta = rt(rt(dog * o_t).sum(axis=-1, keepdims=True, dtype=acc))
+    elif sites.softmax_vjp:  # the softmax's own vjp: the dP it was handed, against its float32 P
+        delta = (dp * p).sum(axis=-1, keepdims=True, dtype=acc)
     else:
         delta = (dog * o_t).sum(axis=-1, keepdims=True, dtype=acc)
     ds = p * (dp - delta)
     # dQ = dS K scale and dK = dS^T Q scale; a pre-scaled operand already carries the scale.
     q_sc, k_sc = (sc, acc(1.0)) if sites.prescaled == "q" else (acc(1.0), sc) if sites.prescaled == "k" else (sc, sc)
-    if sites.prescaled == "k":  # dS K' ln 2 = dS K scale, with K' the pre-scaled K
-        dq = (rp(ds) @ ks) * base
-    elif sites.ds_scaled:
-        dq = rp(ds * sc) @ kg
-    else:
-        dq = (rp(ds) @ kg) * q_sc
     q_for_dk = qs if sites.prescaled == "q" else qg
-    if sites.ds_scaled and sites.prescaled != "q":
-        dk = group(np.swapaxes(rp(ds * sc), -1, -2) @ q_for_dk)
-    else:
-        dk = group((np.swapaxes(rp(ds), -1, -2) @ q_for_dk) * k_sc)
+    if sites.softmax_vjp:  # XLA: the float32 dS times the scale feeds float32 (or TF32) products
+        ds_sc = op(ds * sc)
+        dq, dk = ds_sc @ kg, group(np.swapaxes(ds_sc, -1, -2) @ qg)
+    else:  # dS rounded to the operand type of its products
+        if sites.prescaled == "k":  # dS K' ln 2 = dS K scale, with K' the pre-scaled K
+            dq = (rp(ds) @ ks) * base
+        elif sites.ds_scaled:
+            dq = rp(ds * sc) @ kg
+        else:
+            dq = (rp(ds) @ kg) * q_sc
+        if sites.ds_scaled and sites.prescaled != "q":
+            dk = group(np.swapaxes(rp(ds * sc), -1, -2) @ q_for_dk)
+        else:
+            dk = group((np.swapaxes(rp(ds), -1, -2) @ q_for_dk) * k_sc)
     out = lambda x: round_to(x, pr.out_fmt).astype(np.float64)  # noqa: E731
     lse = (lse_b * base).astype(np.float64)  # back from log2 units in the accumulator, as a kernel does
     return {"o": out(o_t.reshape(b, hq, sq, -1)), "lse": lse.reshape(b, hq, sq),
