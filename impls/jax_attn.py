@@ -186,7 +186,7 @@ def _pallas(q, k, v, *, causal, scale, lse):
 
 
 # What the XLA path rounds (its source, and a float64 emulation, rounding.Sites(p_normalized, dp_rounded,
-# softmax_vjp), that gives jax 0.10.2's bf16 results on XLA:CPU bit for bit on 86-100% of entries and
+# softmax_vjp, ds_float32), that gives jax 0.10.2's bf16 results on XLA:CPU bit for bit on 86-100% of entries and
 # within 0.4 of a bf16 ulp of the largest entry elsewhere, on four probed cases): S and the
 # softmax in float32; P normalized, then rounded to the input type for P.V; its autodiff rounds dP =
 # dO.V^T to the input type, takes the softmax's delta as rowsum(dP * P) with the float32 P, and keeps

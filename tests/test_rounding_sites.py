@@ -31,8 +31,11 @@ VARIANTS = [
     ("TF32 by truncation", Sites(tf32_truncate=True), True),
     ("TF32 truncated, P normalized first (XLA)", Sites(tf32_truncate=True, p_normalized=True), True),
     ("dense autodiff: P normalized, dP rounded, D = rowsum(dP P), dS in float32 (XLA)",
-     Sites(p_normalized=True, dp_rounded=True, softmax_vjp=True), False),
-    ("the same on TF32 (XLA on a GPU)", Sites(tf32_truncate=True, p_normalized=True, dp_rounded=True, softmax_vjp=True), True),
+     Sites(p_normalized=True, dp_rounded=True, softmax_vjp=True, ds_float32=True), False),
+    ("the same on TF32 (XLA on a GPU)",
+     Sites(tf32_truncate=True, p_normalized=True, dp_rounded=True, softmax_vjp=True, ds_float32=True), True),
+    ("dense autodiff with dS rounded after the scale",
+     Sites(p_normalized=True, dp_rounded=True, softmax_vjp=True, ds_scaled=True), False),
     ("D = rowsum(dP P) alone", Sites(softmax_vjp=True), False),
     ("every site", Sites(tf32_truncate=True, p_normalized=True, dp_rounded=True, prescaled="k", ds_scaled=True,
                           heads_rounded=True, delta_rounded=True), True),
@@ -72,7 +75,8 @@ def test_every_rounding_site_passes_under_the_declaration_that_admits_it(dtype):
                 assert_admitted(case, sites, tf32, what)
 
 
-LONG = {"dense autodiff: P normalized, dP rounded, D = rowsum(dP P), dS in float32 (XLA)", "fused", "P normalized first", "dP rounded to t", "D from products in t, rounded to t (Pallas)", "TF32 truncated, P normalized first (XLA)", "every site",
+LONG = {"dense autodiff: P normalized, dP rounded, D = rowsum(dP P), dS in float32 (XLA)",
+        "dense autodiff with dS rounded after the scale", "fused", "P normalized first", "dP rounded to t", "D from products in t, rounded to t (Pallas)", "TF32 truncated, P normalized first (XLA)", "every site",
         "exp2 softmax, the LSE kept in log2 units"}
 
 

@@ -18,7 +18,7 @@ each one, either always or under a declared precision:
 | with GQA, each query head's dK and dV rounded to the input type, then summed over the group (FlashAttention-2, SDPA flash) | always |
 | an exp2 softmax: scores times log2(e), the max and the LSE in log2 units, times ln 2 at the end (FlashAttention, FlexAttention) | always |
 | TF32 operands rounded to nearest (JAX Pallas) or by truncation (Triton's dots on an H200) | "tf32" |
-| P divided by its row sum before it is rounded, dP rounded to the input type; autodiff's softmax vjp, D = rowsum(dP * P) with dS kept in float32 (dense attention with a float32 softmax and its autodiff: XLA) | "dense" |
+| P divided by its row sum before it is rounded, dP rounded to the input type; autodiff's softmax vjp, D = rowsum(dP * P), with dS kept in float32 (dense attention with a float32 softmax and its autodiff: XLA) | "dense" |
 | q * scale, or k * scale * log2(e), rounded to the input type before QK^T (Triton's tutorial) | "prescaled" |
 | D = rowsum(dO * O) from products rounded to the input type, D itself rounded to it (JAX Pallas's mha) | "delta" |
 
@@ -114,7 +114,8 @@ class Sites:
     heads_rounded: bool = False  # GQA: each query head's dK, dV rounded to t before the group's sum
     exp2: bool = False  # scores times log2(e) in the accumulator, exp2, the LSE kept in log2 units (times ln 2 at the end)
     delta_rounded: bool = False  # D = rowsum(dO * O): each product rounded to t, the float32 sum rounded to t
-    softmax_vjp: bool = False  # autodiff of a dense softmax: D = rowsum(dP * P), dS kept in float32 for its products
+    softmax_vjp: bool = False  # autodiff of a dense softmax: D = rowsum(dP * P), with the float32 P
+    ds_float32: bool = False  # dS times the scale kept in float32 for its products (XLA's autodiff)
 
     def admitted_by(self, dtype: str) -> str:
         """The smallest precision whose rule admits these sites for inputs of ``dtype``."""
@@ -193,7 +194,7 @@ def fused(q, k, v, do, visible, scale: float, pr: Precision, sites: Sites = Site
     # dQ = dS K scale and dK = dS^T Q scale; a pre-scaled operand already carries the scale.
     q_sc, k_sc = (sc, acc(1.0)) if sites.prescaled == "q" else (acc(1.0), sc) if sites.prescaled == "k" else (sc, sc)
     q_for_dk = qs if sites.prescaled == "q" else qg
-    if sites.softmax_vjp:  # XLA: the float32 dS times the scale feeds float32 (or TF32) products
+    if sites.ds_float32:  # XLA: the float32 dS times the scale feeds float32 (or TF32) products
         ds_sc = op(ds * sc)
         dq, dk = ds_sc @ kg, group(np.swapaxes(ds_sc, -1, -2) @ qg)
     else:  # dS rounded to the operand type of its products
