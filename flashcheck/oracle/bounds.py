@@ -440,7 +440,7 @@ class Terms(Mapping):
 # Entries of B x Hq x rows x Sk per chunk of query rows (each of the dozens of arrays a chunk's terms
 # make is then 8 MB). On 2048 x 2048 logits, the whole problem at once made each a 64 MB temporary,
 # page-faulted in and streamed through memory: 2.3x the time of the chunked terms on a 2-core machine
-# (scratch measurement, O to dK; problems below one chunk are unchanged).
+# (measured from O to dK; problems below one chunk are unchanged).
 CHUNK = 2 ** 20
 
 
