@@ -1,6 +1,6 @@
 """Examples per second of the gpu lane, as it was and as it is, side by side in one run.
 
-    python bench/gpu_lane_speed.py --out DIR [--window 240] [--seed 1] [--nights 2]
+    python bench/gpu_lane_speed.py --out DIR [--window 240] [--seed 1] [--nights 2] [--then OLD_CHECKOUT]
 
 Starts eight pytest processes at once (the gpu lane's ``-n 8``, without needing pytest-xdist):
 triton-fused and examples/triton_autotuned.py, each in two arms, each arm over two halves of the
@@ -9,7 +9,11 @@ kernel properties (test_forward + test_backward, test_invariance + test_features
 - ``before``: the lane as it first ran, every draw a new shape (FLASHCHECK_SHAPE_BUCKETS=0) and
   every process on all the cores (torch's default, as xdist's workers had it);
 - ``now``: shapes from the run's buckets, and each process on its share of the cores
-  (OMP_NUM_THREADS = cores / 8, what the plugin gives xdist's workers).
+  (OMP_NUM_THREADS = cores / 8, what the plugin gives xdist's workers);
+- ``then`` (with ``--then DIR``, in place of ``before``): the suite as an older commit had it, a
+  checkout of it in DIR (``git archive COMMIT | tar -x -C DIR``), run on all the cores. Its oracle,
+  strategies, profiles and kernels are all the old ones; this tree's timing module counts its
+  examples (loaded by file, through a two-line plug-in the script writes).
 
 Every process runs the gpu profile from one --hypothesis-seed and one bucket seed, with its own
 example database, and each (implementation, arm) pair its own empty Triton cache, so that no pair
@@ -40,9 +44,20 @@ ROOT = Path(__file__).resolve().parent.parent
 IMPLS = {"triton-fused": "triton-fused",
          "triton-autotuned": str(ROOT / "examples" / "triton_autotuned.py") + ":attention"}
 ARMS = {"before": dict(buckets=0, threads=os.cpu_count() or 1),
+        "then": dict(buckets=0, threads=os.cpu_count() or 1),
         "now": dict(buckets=1, threads=max(1, (os.cpu_count() or 1) // 8))}
 HALVES = (("properties/test_forward.py", "properties/test_backward.py"),
           ("properties/test_invariance.py", "properties/test_features.py"))
+# The arm "then"'s plug-in: an older tree has no timing module of its own (or an older one).
+SHIM = """import importlib.util
+
+
+def pytest_configure(config):
+    spec = importlib.util.spec_from_file_location("flashcheck_timing_now", {path!r})
+    timing = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(timing)
+    timing.register(config, "gpu")
+"""
 
 
 def launch(impl, spec, arm, half, files, args, out: Path, caches: Path, night: int):
@@ -56,8 +71,14 @@ def launch(impl, spec, arm, half, files, args, out: Path, caches: Path, night: i
     env.pop("FLASHCHECK_IMPL", None)
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist", "-p", "no:randomly", "-q",
            "--impl", spec, f"--hypothesis-seed={args.seed + night}", *files]
+    cwd = ROOT
+    if arm == "then":  # the old tree first on the path; this tree's timing through the shim, its table off
+        cwd = args.then
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(args.then), str(caches), env.get("PYTHONPATH")) if p)
+        env["FLASHCHECK_TIMING"] = "0"
+        cmd[cmd.index("-q"):cmd.index("-q")] = ["-p", "flashcheck_then_timing"]
     log = open(out / f"{name}.log", "w")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     return dict(name=name, impl=impl, arm=arm, night=night, proc=proc, log=log, start=time.time(),
                 end=None, stopped=False)
 
@@ -112,9 +133,10 @@ def summarize(runs, out: Path, night: int):
         lines.append(f"{impl:18} {arm:7} {p['tests']:5d} {p['examples']:8d} {p['seconds']:7.0f} "
                      f"{p['rate']:6.2f} {p['jit']:7.0f} {p['failed']:6d}  {p['stopped']} of 2 halves at the window")
     for impl in IMPLS:
-        before, now = pairs.get((impl, "before")), pairs.get((impl, "now"))
-        if before and now and before["rate"]:
-            lines.append(f"{impl}: now {now['rate'] / before['rate']:.1f}x the examples per second of before")
+        for base in ("before", "then"):
+            old, now = pairs.get((impl, base)), pairs.get((impl, "now"))
+            if old and now and old["rate"]:
+                lines.append(f"{impl}: now {now['rate'] / old['rate']:.1f}x the examples per second of {base}")
     for (impl, arm), p in sorted(pairs.items()):
         lines += [f"  failed ({impl}, {arm}): {t}" for t in p["failures"]]
     (out / f"speed-night{night + 1}.json").write_text(json.dumps({f"{i} {a}": p for (i, a), p in pairs.items()},
@@ -129,13 +151,21 @@ def main():
     ap.add_argument("--seed", type=int, default=1, help="--hypothesis-seed and FLASHCHECK_BUCKET_SEED of every process")
     ap.add_argument("--profile", default="gpu", help="Hypothesis profile (ci tries the script on a CPU machine)")
     ap.add_argument("--nights", type=int, default=1, help="runs in a row, each with the caches of the one before")
+    ap.add_argument("--then", type=Path, default=None,
+                    help="a checkout of an older commit: its suite is the baseline arm instead of 'before'")
     args = ap.parse_args()
+    if args.then is not None:
+        args.then = args.then.resolve()
+        if not (args.then / "properties" / "test_forward.py").is_file():
+            ap.error(f"--then {args.then}: not a flashcheck checkout (no properties/test_forward.py)")
+    arms = ("then" if args.then else "before", "now")
     args.out.mkdir(parents=True, exist_ok=True)
     lines = []
     with tempfile.TemporaryDirectory(prefix="lane-speed-") as tmp:
+        (Path(tmp) / "flashcheck_then_timing.py").write_text(SHIM.format(path=str(ROOT / "flashcheck" / "timing.py")))
         for night in range(args.nights):
             runs = [launch(impl, spec, arm, h, files, args, args.out, Path(tmp), night)
-                    for impl, spec in IMPLS.items() for arm in ARMS for h, files in enumerate(HALVES)]
+                    for impl, spec in IMPLS.items() for arm in arms for h, files in enumerate(HALVES)]
             wait(runs, args.window)
             tonight = summarize(runs, args.out, night)
             lines += tonight
