@@ -18,12 +18,15 @@ SDPA's is_causal is top-left aligned (query i sees key j iff j <= i), so causal=
 SDPA returns no LSE (lse=False). GQA is passed as enable_gqa=True where torch has it.
 
 D == Dv is declared (equal_head_dims). Limits the Implementation record cannot express (a
-head-dim multiple, Sk >= 2, square causal) are met by exact input adaptations below, so every
-property still runs on the backend itself: zero-padding D (q and k) leaves the scores unchanged
-once the scale is fixed from the true D; zero-padding Dv only adds output columns that are sliced
-off; duplicating a single key/value leaves softmax attention unchanged; a top-left causal call
-with Sq != Sk is split into square causal and non-causal calls. Each adaptation is applied only
-to the backends that need it; autograd carries the gradients back through them.
+head-dim multiple, Sk >= 2, causal with Sq < Sk) are met by input adaptations below that are exact
+forward and backward, in every dtype, so every property still runs on the backend itself:
+zero-padding D (q and k) leaves the scores unchanged once the scale is fixed from the true D;
+zero-padding Dv only adds output columns that are sliced off; duplicating a single key/value
+leaves softmax attention unchanged and gives both copies the same gradients; top-left causal with
+Sq < Sk drops the keys no row sees. Each adaptation is applied only to the backends that need it;
+autograd carries the gradients back through them. Causal with Sq > Sk is declared unsupported
+(``supports``) where the backend needs square causal: splitting it into two calls would round dK
+and dV twice, a rounding no kernel of the backend does.
 
 Features: the sliding window and ALiBi are an additive float attn_mask (-inf where the window or
 the causal mask hides a key, -slope * |i + Sk - Sq - j| elsewhere), declared by the backends that
@@ -119,6 +122,19 @@ def feature_mask(q, k, causal: bool, window, alibi_slopes, attn_mask=None, attn_
     return torch.where(hidden, float("-inf"), bias).to(q.dtype)
 
 
+# Splitting it would be exact forward (rows 0..Sk-1 square causal, the rest non-causal) but not backward:
+# on an H200 such a split of sdpa-flash failed dV at 1.08x in bf16, an emulation of the split gave its
+# value bit for bit, and the single call's emulation lies within half the bound (docs/findings.md).
+SQUARE_CAUSAL = ("this SDPA backend takes is_causal only when Sq == Sk (Sq < Sk is sliced to it exactly); "
+                 "top-left causal with Sq > Sk would take two calls, whose dK and dV each round to the input "
+                 "type before their sum")
+
+
+def square_causal_only(case):
+    """``supports`` of a backend whose is_causal needs Sq == Sk (call_sdpa's ``square_causal``)."""
+    return SQUARE_CAUSAL if case.causal is not None and case.sq > case.sk else True
+
+
 def call_sdpa(q, k, v, *, backend, causal: bool, scale, head_dim_multiple=1, min_keys=1, square_causal=False,
               attn_mask=None):
     """SDPA on one backend, adapting (exactly) the inputs to the backend's shape limits."""
@@ -130,9 +146,12 @@ def call_sdpa(q, k, v, *, backend, causal: bool, scale, head_dim_multiple=1, min
         q, k = F.pad(q, (0, dp - d)), F.pad(k, (0, dp - d))  # zero columns add 0 to every score
         v = F.pad(v, (0, dvp - dv))  # zero columns give zero output columns, sliced off below
     if sk == 1 < min_keys:
-        # The single key and value, twice: the softmax weights split 1/2 + 1/2 and O = v is unchanged;
-        # under top-left causal row 0 sees the first copy, later rows both (O = v either way).
+        # The single key and value, twice: the softmax weights split 1/2 + 1/2 and O = v is unchanged.
+        # Top-left, every row sees key 0, so the causal call is the plain one: both copies are seen
+        # alike and get the same gradients, whose sum is exactly twice one. (Causal, row 0 would see
+        # one copy and later rows both: two gradients, each rounded to the input type, then summed.)
         # A mask's one column goes with its key (the causal mask is already in it).
+        causal = False
         k, v = k.expand(-1, -1, 2, -1).contiguous(), v.expand(-1, -1, 2, -1).contiguous()
         sk = 2
         if attn_mask is not None:
@@ -140,14 +159,10 @@ def call_sdpa(q, k, v, *, backend, causal: bool, scale, head_dim_multiple=1, min
     if attn_mask is not None:  # the feature mask already holds the causal mask
         o = _sdpa(q, k, v, backend, False, scale, attn_mask)
     elif causal and square_causal and sq != sk:
-        if sq < sk:
-            # Top-left: no row sees a key at or past Sq, so those keys drop out (their dK, dV are 0).
-            o = _sdpa(q, k[:, :, :sq].contiguous(), v[:, :, :sq].contiguous(), backend, True, scale)
-        else:
-            # Rows 0..Sk-1 form a square causal problem; rows Sk.. see every key.
-            top = _sdpa(q[:, :, :sk].contiguous(), k, v, backend, True, scale)
-            bottom = _sdpa(q[:, :, sk:].contiguous(), k, v, backend, False, scale)
-            o = torch.cat([top, bottom], dim=2)
+        if sq > sk:
+            raise ValueError(SQUARE_CAUSAL)
+        # Top-left: no row sees a key at or past Sq, so those keys drop out (their dK, dV are 0).
+        o = _sdpa(q, k[:, :, :sq].contiguous(), v[:, :, :sq].contiguous(), backend, True, scale)
     else:
         o = _sdpa(q, k, v, backend, causal, scale)
     return o[..., :dv] if dvp != dv else o
@@ -205,7 +220,7 @@ def _register(name, backend, *, devices, dtypes, gqa=HAS_GQA, head_dims=(1, 256)
     implementation(name=name, causal=("top_left",), dtypes=dtypes, devices=devices, backward=True,
                    gqa=gqa, lse=False, framework="torch", head_dims=head_dims, equal_head_dims=equal_head_dims,
                    known_issues=known_issues, precision=precision, window=masks, mask=masks,
-                   bias=bias,
+                   bias=bias, supports=square_causal_only if adapt.get("square_causal") else None,
                    # plain torch ops: capturable, and traceable by dynamo (properties/test_launch.py)
                    cuda_graphs="cuda" in devices, compile=True,
                    # the math backend is plain matmuls: any view; the fused ones vectorize their loads
