@@ -76,7 +76,7 @@ def launch(impl, spec, arm, half, files, args, out: Path, caches: Path, night: i
         cwd = args.then
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(args.then), str(caches), env.get("PYTHONPATH")) if p)
         env["FLASHCHECK_TIMING"] = "0"
-        cmd[cmd.index("-q"):cmd.index("-q")] = ["-p", "flashcheck_then_timing"]
+        cmd += ["-p", "flashcheck_then_timing"]
     log = open(out / f"{name}.log", "w")
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     return dict(name=name, impl=impl, arm=arm, night=night, proc=proc, log=log, start=time.time(),
