@@ -111,15 +111,30 @@ SMALL_BLOCK = 1 << 20  # the CUDA caching allocator serves requests up to 1 MiB 
 
 def prime_cuda_cache(torch, device, nbytes: int) -> None:
     """On CUDA, what a kernel allocates itself (in C++ too, where no torch function mode sees it) comes
-    from the caching allocator's free blocks: recycled memory, often zeros. Before a call every cached
-    block is released, and blocks of both pools (four small segments, and one of 2 ``nbytes``) are
-    filled with 0xFF bytes, NaN in every float type, and freed back to the cache, so the kernel's
-    outputs and workspaces start as NaN unless it writes them. Not while a CUDA graph is captured."""
+    from the caching allocator's free blocks: recycled memory, often zeros or an earlier call's values.
+    Before a call every cached segment that is wholly free is released; the free blocks of segments
+    that live tensors still hold, then fresh blocks of both pools (eight small requests, and one of 2
+    ``nbytes``), are filled with 0xFF bytes, NaN in every float type, and freed back to the cache, so
+    the kernel's outputs and workspaces start as NaN unless it writes them. Not while a CUDA graph is
+    captured."""
     if torch.device(device).type != "cuda" or torch.cuda.is_current_stream_capturing():
         return
     torch.cuda.empty_cache()
-    blocks = [torch.empty(SMALL_BLOCK, dtype=torch.uint8, device=device) for _ in range(8)]
+    blocks = [torch.empty(size, dtype=torch.uint8, device=device) for size in _free_blocks(torch, device)]
+    blocks += [torch.empty(SMALL_BLOCK, dtype=torch.uint8, device=device) for _ in range(8)]
     blocks.append(torch.empty(max(2 * nbytes, 2 * SMALL_BLOCK), dtype=torch.uint8, device=device))
     for b in blocks:
         b.fill_(255)
     del blocks
+
+
+def _free_blocks(torch, device) -> list[int]:
+    """Sizes of the free blocks in segments that live tensors hold, largest first. The allocator
+    serves a request from the smallest free block that fits: asked for these sizes in this order, it
+    hands back exactly these blocks (a small request in a hole left by a freed tensor, as the lane's
+    processes met it after a few hundred tests, would otherwise get whatever that tensor held)."""
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    sizes = [b["size"] for seg in torch.cuda.memory_snapshot() if seg["device"] == index
+             for b in seg["blocks"] if b["state"] == "inactive"]
+    return sorted(sizes, reverse=True)
