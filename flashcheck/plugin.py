@@ -115,6 +115,7 @@ def pytest_configure(config):
         raise pytest.UsageError(f"this flashcheck checkout ({checkout}) is not the flashcheck pytest imports "
                                 f"({here}); run pip install -e . in the checkout")
     _switch_triton_interpreter()
+    _cache_autotuning()
     profile = _load_profile(config)
     devices.steal_work(config, profile)
     if os.environ.get("FLASHCHECK_PROPERTY_SECONDS"):
@@ -162,6 +163,16 @@ def _collect_kernel_properties(config):
         config.args.append(props)
     else:
         config.args[:] = [props]
+
+
+def _cache_autotuning():
+    """Triton's autotuner times every configuration of a kernel for every new key, in every process:
+    most of an autotuned plug-in's time in the gpu lane. Its disk cache (beside the compiled kernels,
+    keyed by the kernel's source, the configurations and the key) lets xdist's workers and the next
+    run reuse the choice. Read when ``@triton.autotune`` runs, so set before any plug-in is loaded;
+    TRITON_CACHE_AUTOTUNING=0 keeps the benchmarks. The interpreter times nothing."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
 
 
 def _switch_triton_interpreter():

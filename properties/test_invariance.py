@@ -15,7 +15,7 @@ from flashcheck.strategies import buckets
 pytestmark = pytest.mark.properties
 
 seeds = st.integers(0, 2**16)
-blocks = st.tuples(fs.draw.block_sizes(), fs.draw.block_sizes())
+blocks = fs.draw.tilings()
 
 
 @pytest.mark.requires("non_causal")

@@ -171,9 +171,11 @@ def shape_strategy(candidates: tuple[Shape, ...], relation: str = "any"):
     return st.sampled_from([s for s in candidates if RELATIONS[relation](s)])
 
 
-def block_values(candidates: tuple[Shape, ...]) -> tuple[int, ...]:
-    """The block sizes the run's shapes use (for properties that draw a second tiling)."""
-    return tuple(sorted({b for s in candidates for b in (s.block_q, s.block_k)}))
+def tiling_values(candidates: tuple[Shape, ...]) -> tuple[tuple[int, int], ...]:
+    """The tilings (block_q, block_k) the run's shapes carry, smallest first (for properties that draw
+    a second tiling). Pairs, not every block size against every other: each is one more compile per
+    kernel, dtype and set of flags, and the run's shapes already meet each pair."""
+    return tuple(sorted({(s.block_q, s.block_k) for s in candidates}))
 
 
 def run_shapes() -> tuple[Shape, ...]:
@@ -274,9 +276,9 @@ def layout(shape: Shape, candidates: tuple[Shape, ...]) -> str:
     return kinds[candidates.index(shape) % len(kinds)] if shape in candidates else "contiguous"
 
 
-def block_sizes():
-    """A block size among those of the run's shapes."""
-    return st.deferred(lambda: st.sampled_from(block_values(run_shapes())))
+def tilings():
+    """A tiling among those of the run's shapes."""
+    return st.deferred(lambda: st.sampled_from(tiling_values(run_shapes())))
 
 
 def _causal(draw, causal):

@@ -43,7 +43,13 @@ BLOCKS = (1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 64, 128)
 
 
 def block_sizes():
-    return buckets.block_sizes() if buckets.active(_profile()) else st.sampled_from(BLOCKS)
+    return st.sampled_from(BLOCKS)
+
+
+def tilings():
+    """A second tiling (block_q, block_k) for a drawn case: with shape buckets one that a shape of the
+    run carries, otherwise any two block sizes."""
+    return buckets.tilings() if buckets.active(_profile()) else st.tuples(block_sizes(), block_sizes())
 
 
 def _profile() -> str:

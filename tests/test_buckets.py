@@ -64,13 +64,14 @@ def test_every_layout_meets_some_shape_of_the_run_and_the_plainest_is_contiguous
     assert set(got) == set(MEMORY), f"expected every layout among the run's shapes, got {sorted(set(got))}"
 
 
-def test_a_second_tiling_uses_the_block_sizes_of_the_runs_shapes(on):
-    blocks = buckets.block_values(on)
+def test_a_second_tiling_is_one_that_a_shape_of_the_run_carries(on):
+    pairs = buckets.tiling_values(on)
+    assert len(pairs) > 2, f"expected the run's shapes to carry several tilings, got {pairs}"
 
     @SAMPLE
-    @given(fs.draw.block_sizes())
-    def second(block):
-        assert block in blocks, f"expected a block size among {blocks}, drew {block}"
+    @given(fs.draw.tilings())
+    def second(tiling):
+        assert tiling in pairs, f"expected a tiling among {pairs}, drew {tiling}"
 
     second()
 
@@ -150,7 +151,7 @@ def test_the_cpu_profiles_never_reach_the_buckets(monkeypatch):
     monkeypatch.setenv(buckets.ENV, "")
     monkeypatch.setattr(buckets, "run_shapes", refuse)
     monkeypatch.setattr(buckets, "run_long_shapes", refuse)
-    SAMPLE(given(fs.cases(), fs.draw.block_sizes())(lambda case, block: None))()
+    SAMPLE(given(fs.cases(), fs.draw.tilings())(lambda case, tiling: None))()
 
 
 def test_a_malformed_switch_or_seed_is_refused_with_its_name(monkeypatch):

@@ -84,3 +84,19 @@ def test_a_lost_cuda_context_stops_the_run_with_a_line_that_says_why(monkeypatch
 
 def test_a_process_without_cuda_has_no_lost_context():
     assert devices.lost_context() is None, "on a machine without CUDA nothing can be lost"
+
+
+def test_triton_autotuning_choices_are_cached_on_cuda_unless_the_user_says_otherwise(monkeypatch):
+    from flashcheck import plugin
+
+    monkeypatch.delenv("TRITON_CACHE_AUTOTUNING", raising=False)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    plugin._cache_autotuning()
+    assert "TRITON_CACHE_AUTOTUNING" not in os.environ, "the interpreter has nothing to time: expected no cache"
+    monkeypatch.delenv("TRITON_INTERPRET")
+    plugin._cache_autotuning()
+    assert os.environ.get("TRITON_CACHE_AUTOTUNING") == "1", \
+        f"expected the autotuner's disk cache on, got {os.environ.get('TRITON_CACHE_AUTOTUNING')!r}"
+    monkeypatch.setenv("TRITON_CACHE_AUTOTUNING", "0")
+    plugin._cache_autotuning()
+    assert os.environ["TRITON_CACHE_AUTOTUNING"] == "0", "a user's TRITON_CACHE_AUTOTUNING=0 was overridden"
