@@ -65,6 +65,24 @@ def test_rows_that_see_no_key_give_zero_and_minus_inf(impl, case):
     assert np.isfinite(res.o).all(), f"{impl.name}: non-finite output elsewhere\n  case: {case!r}"
 
 
+def _visible_range(vis, v):
+    """Per row, the least and the greatest value among the keys it sees (0 where it sees none), for
+    v (B, H, Sk, Dv) and vis (Sq, Sk): (B, H, Sq, Dv) each. Rows that see the same keys share one
+    computation, the others go in chunks: all (Sq, Sk, Dv) comparisons at once held gigabytes."""
+    rows, which = np.unique(vis, axis=0, return_inverse=True)
+    b, h, sk, dv = v.shape
+    lo, hi = np.zeros((b, h, len(rows), dv)), np.zeros((b, h, len(rows), dv))
+    seen = np.flatnonzero(rows.any(axis=1))
+    step = max(1, (1 << 22) // (b * h * sk * dv))  # rows per chunk: about 32 MB of float64
+    for at in range(0, len(seen), step):
+        some = seen[at:at + step]
+        sees = rows[some][None, None, :, :, None]  # (1, 1, n, Sk, 1)
+        lo[:, :, some] = np.where(sees, v[:, :, None], np.inf).min(axis=3)
+        hi[:, :, some] = np.where(sees, v[:, :, None], -np.inf).max(axis=3)
+    which = which.reshape(-1)
+    return lo[:, :, which], hi[:, :, which]
+
+
 @given(case=fs.cases())
 @ph.every_dtype_and_regime()
 def test_output_lies_within_the_visible_values(impl, case):
@@ -74,12 +92,7 @@ def test_output_lies_within_the_visible_values(impl, case):
     case = fs.fit(impl, case)
     _, _, v, _ = case.inputs()
     res = ph.forward(impl, case)
-    vis = case.visible()[None, None, :, :, None]  # (1, 1, Sq, Sk, 1)
-    vv = ph.kv_heads(case, v)[:, :, None]  # (B, Hq, 1, Sk, Dv)
-    lo = np.where(vis, vv, np.inf).min(axis=3)
-    hi = np.where(vis, vv, -np.inf).max(axis=3)
-    seen = case.visible().any(axis=1)[None, None, :, None]
-    lo, hi = np.where(seen, lo, 0), np.where(seen, hi, 0)
+    lo, hi = (ph.kv_heads(case, x) for x in _visible_range(case.visible(), v))
     slack = np.broadcast_to(orc.allowed(case, "o"), res.o.shape)  # per entry: an array, or one number
     with np.errstate(invalid="ignore"):  # NaN output: outside every range, and named below
         outside = np.nan_to_num(np.maximum(lo - res.o, res.o - hi) - slack, nan=np.inf)
