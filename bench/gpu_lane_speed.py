@@ -19,8 +19,10 @@ Every process runs the gpu profile from one --hypothesis-seed and one bucket see
 example database, and each (implementation, arm) pair its own empty Triton cache, so that no pair
 reuses another's compiles. A process still running after --window seconds is stopped; the
 examples it finished count (FLASHCHECK_TIMING_LOG, flashcheck/timing.py). Prints one row per
-pair: tests finished, examples, seconds, examples per second, Triton JIT seconds, failures; then
-the speed-ups. Logs and the JSON lines go to DIR. The whole run takes the window plus about a
+pair: tests finished, examples, seconds, examples per second, then where both halves' seconds went
+(Triton's JIT; the rest of the tests' own time, mostly the examples; outside any test: start-up and
+collection), the examples per second the pair would reach with every kernel already compiled, and
+failures; then the speed-ups. Logs and the JSON lines go to DIR. The whole run takes the window plus about a
 minute, per night.
 
 ``--nights 2`` runs it all again as a nightly job's next night would: a new --hypothesis-seed,
@@ -104,7 +106,7 @@ def summarize(runs, out: Path, night: int):
     pairs = {}
     for r in runs:
         p = pairs.setdefault((r["impl"], r["arm"]), dict(tests=0, examples=0, seconds=0.0, jit=0.0, failed=0,
-                                                             stopped=0))
+                                                             stopped=0, in_tests=0.0, no_jit=0.0, span=0.0))
         records = []
         path = out / f"{r['name']}.jsonl"
         if path.exists():
@@ -115,23 +117,31 @@ def summarize(runs, out: Path, night: int):
         p["tests"] += len(tests)
         # the processes ran at once: the pair's time is that of its longer half
         p["seconds"] = max(p["seconds"], r["end"] - r["start"])
+        p["span"] += r["end"] - r["start"]
         done = {t["test"] for t in tests}
-        p["jit"] += sum(t["jit"] or 0.0 for t in tests)
-        last = {}  # an unfinished test's compiles, as far as its last example
+        last = {}  # an unfinished test's seconds and compiles, as far as its last example
         for x in examples:
             if x["test"] not in done:
-                last[x["test"]] = x["jit"]
-        p["jit"] += sum(last.values())
+                last[x["test"]] = (x["t"], x["jit"] or 0.0)
+        jit = sum(t["jit"] or 0.0 for t in tests) + sum(j for _, j in last.values())
+        p["jit"] += jit
+        p["in_tests"] += sum(t["wall"] for t in tests) + sum(w for w, _ in last.values())
+        # what this half would have taken with every kernel already compiled: the pair's is its longer half's
+        p["no_jit"] = max(p["no_jit"], r["end"] - r["start"] - jit)
         p["failed"] += sum(t["outcome"] == "failed" for t in tests)
         p.setdefault("failures", []).extend(t["test"] for t in tests if t["outcome"] == "failed")
         p["stopped"] += r["stopped"]
     lines = [f"night {night + 1}" + (" (each pair's Triton cache from the night before)" if night else " (empty caches)"),
              f"{'implementation':18} {'arm':7} {'tests':>5} {'examples':>8} {'seconds':>7} {'ex/s':>6} "
-             f"{'jit s':>7} {'failed':>6}  stopped"]
+             f"{'jit s':>7} {'other s':>7} {'rest s':>6} {'no-jit ex/s':>11} {'failed':>6}  stopped"]
     for (impl, arm), p in sorted(pairs.items()):
         p["rate"] = p["examples"] / p["seconds"] if p["seconds"] else 0.0
+        # seconds of both halves: compiling, the rest of the tests' own time, outside any test (start-up)
+        other, rest = p["in_tests"] - p["jit"], p["span"] - p["in_tests"]
+        ceiling = p["examples"] / p["no_jit"] if p["no_jit"] > 0 else 0.0
         lines.append(f"{impl:18} {arm:7} {p['tests']:5d} {p['examples']:8d} {p['seconds']:7.0f} "
-                     f"{p['rate']:6.2f} {p['jit']:7.0f} {p['failed']:6d}  {p['stopped']} of 2 halves at the window")
+                     f"{p['rate']:6.2f} {p['jit']:7.0f} {other:7.0f} {rest:6.0f} {ceiling:11.2f} {p['failed']:6d}  "
+                     f"{p['stopped']} of 2 halves at the window")
     for impl in IMPLS:
         for base in ("before", "then"):
             old, now = pairs.get((impl, base)), pairs.get((impl, "now"))
