@@ -13,8 +13,9 @@ atomics (the dK/dV program of a kv head sums its query-head group itself), and t
 one configuration per shape for the rest of the process.
 
 Without CUDA, set TRITON_INTERPRET=1 before triton is imported (the flashcheck plugin does so on
-a machine without CUDA): the kernels then run on CPU tensors, one tile configuration, float16 and
-float32 only (the interpreter computes bfloat16 wrongly), lengths up to 48.
+a machine without CUDA): the kernels then run on CPU tensors, float16 and float32 only (the
+interpreter computes bfloat16 wrongly), lengths up to 48. The interpreter times nothing: flashcheck
+picks each shape's tile configuration by a hash, so a run reaches every one of them.
 """
 import math
 import os
@@ -31,8 +32,6 @@ FP32_WORK = 1 << 17  # BLOCK_M * BLOCK_N * padded head dim: IEEE float32 tiles p
 
 
 def _configs():
-    if INTERPRET:  # one configuration: the interpreter has nothing to benchmark
-        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
     # No 64x64 tile on 4 warps: on an H100 (Triton 3.6) it returned wrong rows with D = 64 or 128 and
     # a single key tile, and read out of bounds at other shapes (docs/findings.md, 2026-12-05).
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)

@@ -27,6 +27,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -134,6 +135,10 @@ def pytest_configure(config):
         impls = [load(s) for s in specs] if specs else builtins()
     except ContractError as exc:
         raise pytest.UsageError(str(exc)) from exc
+    if os.environ.get("TRITON_INTERPRET") == "1" and "triton" in sys.modules:
+        from flashcheck.impls import interpreter
+
+        interpreter.pick_autotuned_configs()  # an autotuned plug-in runs there, every tile in turn
     allow_skip = config.getoption("--allow-skip")
     if specs and not allow_skip:
         for impl in impls:

@@ -58,3 +58,41 @@ def test_a_quickened_interpreter_gives_the_kernels_results_bit_for_bit(monkeypat
     slow = tf.attention(q, k, v, causal=True)
     for name, a, b in zip(("O", "LSE"), fast, slow):
         assert np.array_equal(a.numpy(), b.numpy()), f"{name} differs between the quickened and the plain interpreter"
+
+
+def _tuned(prune=None):
+    """A copy kernel autotuned over three tile sizes, keyed on its length."""
+    configs = [triton.Config({"BLOCK": b}) for b in (16, 32, 64)]
+    kw = {"prune_configs_by": {"early_config_prune": prune}} if prune else {}
+
+    @triton.autotune(configs=configs, key=["n"], **kw)
+    @triton.jit
+    def double(X, Y, n, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(Y + i, tl.load(X + i, mask=i < n) * 2.0, mask=i < n)
+
+    def run(n):
+        x, y = torch.arange(float(n)), torch.full((n,), float("nan"))
+        double[lambda meta: (triton.cdiv(n, meta["BLOCK"]),)](x, y, n)
+        assert torch.equal(y, 2 * x), f"expected the doubled input for n = {n}, got {y[:5]}"
+        return double.best_config.kwargs["BLOCK"]
+
+    return double, run
+
+
+def test_an_autotuned_kernel_runs_in_the_interpreter_with_one_tile_per_key_and_every_tile_reached():
+    assert interpreter.pick_autotuned_configs() and interpreter.pick_autotuned_configs(), \
+        "expected the pick installed, and idempotent"
+    double, run = _tuned()
+    picked = {n: run(n) for n in range(1, 41)}
+    assert set(picked.values()) == {16, 32, 64}, f"expected 40 keys to reach all three tiles, got {picked}"
+    double.cache.clear()  # a new process: the same keys pick the same tiles
+    again = {n: run(n) for n in picked}
+    assert again == picked, f"expected each key's tile to be a function of the key, got {picked} then {again}"
+
+
+def test_the_pick_keeps_to_the_tiles_that_the_kernels_own_pruning_leaves():
+    interpreter.pick_autotuned_configs()
+    _, run = _tuned(prune=lambda configs, nargs, **kw: [c for c in configs if c.kwargs["BLOCK"] != 32])
+    picked = {run(n) for n in range(1, 41)}
+    assert picked == {16, 64}, f"expected only the tiles the pruning keeps (16, 64), got {sorted(picked)}"
