@@ -69,7 +69,10 @@ def launch(impl, spec, arm, half, files, args, out: Path, caches: Path, night: i
                FLASHCHECK_BUCKET_SEED=str(args.seed), FLASHCHECK_TIMING_LOG=str(out / f"{name}.jsonl"),
                FLASHCHECK_DB=str(caches / f"db-{name}"), TRITON_CACHE_DIR=str(caches / f"triton-{impl}-{arm}"),
                # eight processes on one GPU: JAX, where a built-in loads it, takes only what it uses
-               XLA_PYTHON_CLIENT_PREALLOCATE="false")
+               XLA_PYTHON_CLIENT_PREALLOCATE="false",
+               # the lane's xdist workers never run flashcheck's first pass (one uncounted case of
+               # every property before the run proper); these plain pytest processes would
+               FLASHCHECK_FIRST_PASS="0")
     env.pop("FLASHCHECK_IMPL", None)
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist", "-p", "no:randomly", "-q",
            "--impl", spec, f"--hypothesis-seed={args.seed + night}", *files]

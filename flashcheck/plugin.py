@@ -347,11 +347,12 @@ def pytest_xdist_auto_num_workers(config):
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtestloop(session):
     """A plug-in run first tries one case of every property, and runs those that fail on it first
-    (flashcheck.firstpass); the run proper is pytest's own loop."""
+    (flashcheck.firstpass); the run proper is pytest's own loop. A run over xdist's workers, or
+    with FLASHCHECK_FIRST_PASS=0, keeps pytest's order."""
     state = _state(session.config)
     distributed = hasattr(session.config, "workerinput") or session.config.getoption("dist", "no") != "no"
     if state is None or not state.kernel_mode or distributed or session.testsfailed or \
-            session.config.option.collectonly:
+            session.config.option.collectonly or os.environ.get("FLASHCHECK_FIRST_PASS") == "0":
         return None
     from flashcheck import firstpass
 

@@ -208,6 +208,11 @@ def test_a_property_failing_on_its_first_case_runs_before_the_others(tmp_path):
         run.stdout[-3000:])
     assert re.search(r"^1 failed, \d+ deselected", run.stdout, re.M), (
         f"expected the failing property alone to run under -x, before the passing one:\n{run.stdout[-1500:]}")
+    kept = _pytest(tmp_path, "--impl", "flipping.py:attention", "-x", "-q", "-k",
+                   "test_output_matches_dense_float64 or test_repeated_calls",
+                   env={"CI": "true", "FLASHCHECK_FIRST_PASS": "0"})
+    assert "failed on a first case" not in kept.stdout and re.search(r"^1 failed, 1 passed", kept.stdout, re.M), (
+        f"expected FLASHCHECK_FIRST_PASS=0 to keep pytest's order (the passing property first):\n{kept.stdout[-1500:]}")
 
 
 def _torch_kernel(fn, **declared):
