@@ -90,6 +90,11 @@ def _tile_grid(test):
 @example(case=Case(sq=3, sk=1, causal="bottom_right", sinks=(1.5,)))  # masked rows with a sink: O = 0, LSE = sink
 @example(case=Case(sq=2, sk=3, sinks=(1e3,), dtype="float32"))  # a dominant sink: O ~ 0
 @example(case=Case(hq=2, sq=3, sk=4, mask=("random", False, True, 0.0, 0)))  # an all-False mask: every row empty
+# a bias of ~46 cancels ALiBi's -46.5 to a logit of -0.27 that holds its row: the partial sum rounded
+# at 46 (torch-tiled fp16, LSE 1.11x a bound that counted the features' net change; H200 lane)
+@example(case=Case(hq=7, sq=9, sk=40, d=16, dv=16, causal="top_left", dtype="float16", block_q=16, block_k=32,
+                   regime="equal", window=(-1, -1), softcap=1.0, alibi=(0.0,) * 6 + (1.5,),
+                   bias=("normal", False, False, 30.0, 38)))
 def test_output_matches_dense_float64_with_features(impl, case):
     case = fs.fit(impl, case)
     note(f"features on: {case.features}")

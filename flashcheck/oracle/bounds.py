@@ -162,11 +162,13 @@ def _scores(case, pt, pr: Precision, u: Units) -> Scores:
     # alike), the scale and log2(e) products, the max or LSE subtracted before exp, exp itself, and
     # for TF32 the rounding of q and k. What a feature adds to the score (ALiBi's distance term,
     # the softcap's change, a bias) rounds at its own magnitude, twice: when added and in the log2(e)
-    # product of an exp2 kernel; a large ALiBi term or bias can dwarf the dot product. Where P is 0
+    # product of an exp2 kernel; a large ALiBi term or bias can dwarf the dot product. Each term
+    # counts at its own magnitude, not at the net change: a bias that cancels ALiBi's term leaves a
+    # small logit from a partial sum that rounded at the term's size (torch-tiled, fp16 on an H200:
+    # LSE at 1.11x the bound when the net change was counted, a bias of 46 against ALiBi's -46.5). Where P is 0
     # (exp underflows in float64, so in any kernel: a finfo.min bias beside finite ones) no error of
     # the score reaches a result, and none is counted (its magnitude would make inf * 0 = NaN).
-    features = case.alibi is not None or bool(case.softcap) or case.bias is not None
-    added = np.abs(np.where(vis, pt.s, 0.0) - np.where(vis, pt.scale * (q @ _swap(k)), 0.0)) if features else 0.0
+    added = 0.0 if pt.added is None else np.where(vis, pt.added, 0.0)
     live = vis & (p > 0)
     s_live = np.where(live, pt.s, 0.0)
     local = np.where(live, u.acc * (4 + 2 * np.abs(s_live - m) + 2 * added), 0.0)
@@ -475,7 +477,8 @@ def _rows_of(case, pt, dscores, cut: slice):
         return case, pt, dscores
     row = (Ellipsis, cut, slice(None))
     part = replace(pt, q=pt.q[row], do=pt.do[row], s=pt.s[row], p=pt.p[row], o=pt.o[row], lse=pt.lse[..., cut],
-                   psink=None if pt.psink is None else pt.psink[..., cut])
+                   psink=None if pt.psink is None else pt.psink[..., cut],
+                   added=None if pt.added is None else pt.added[row])
     return RowView(case, case.visible_grouped()[row]), part, tuple(x[row] for x in dscores)
 
 

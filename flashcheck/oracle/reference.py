@@ -17,8 +17,11 @@ DTYPES = ("float32", "float64")
 
 
 def _logits(q, k, causal, scale, window, softcap, alibi_slopes, attn_mask=None, attn_bias=None, rows=None):
-    """(s, visible, dcap): s (B, Hq, Sq, Sk) in q's dtype with -inf where hidden, and
-    dcap = d(softcapped logit)/d(scaled logit) (None without a softcap).
+    """(s, visible, dcap, added): s (B, Hq, Sq, Sk) in q's dtype with -inf where hidden,
+    dcap = d(softcapped logit)/d(scaled logit) (None without a softcap), and ``added`` the sum of the
+    magnitudes of what the features add to the scaled logit (the softcap's change, ALiBi's term, the
+    bias; None without them). A kernel rounds each partial sum at its own magnitude, which a bias that
+    cancels ALiBi's term leaves far above the final logit's.
 
     ``rows`` = (indices, Sq): q, attn_mask and attn_bias hold only those query rows of a problem of
     Sq queries (the sampled oracle, oracle/sampled.py); the masks and distances are theirs."""
@@ -29,25 +32,31 @@ def _logits(q, k, causal, scale, window, softcap, alibi_slopes, attn_mask=None, 
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     qg = q.reshape(b, hkv, hq // hkv, len(index), d)
     s = (dt.type(scale) * (qg @ np.swapaxes(k.astype(dt)[:, :, None], -1, -2))).reshape(b, hq, len(index), sk)
-    dcap = None
+    dcap = added = None
     if softcap:
         c = dt.type(softcap)
         t = np.tanh(s / c)
+        added = np.abs(c * t - s)
         s, dcap = c * t, 1 - t * t  # d/dx c tanh(x / c) = 1 - tanh^2
     if alibi_slopes is not None:
         slopes = np.asarray(alibi_slopes).astype(dt)
         slopes = slopes.reshape((1,) * (2 - slopes.ndim) + slopes.shape + (1, 1))  # (B or 1, Hq, 1, 1)
         dist = np.abs(index[:, None] + sk - sq - np.arange(sk)[None, :]).astype(dt)
         s = s - slopes * dist
+        added = np.abs(slopes * dist) + (0 if added is None else added)
     if attn_bias is not None:  # after the softcap and ALiBi; its -inf entries hide their keys
         bias = np.asarray(attn_bias, dt)
-        s = s + np.where(bias > -np.inf, bias, 0)
+        bias = np.where(bias > -np.inf, bias, 0)
+        s = s + bias
+        added = np.abs(bias) + (0 if added is None else added)
     vis = visible(sq, sk, alignment(causal), rows=index, window=window)
     if attn_bias is not None:
         vis = vis & (np.asarray(attn_bias) > -np.inf)
     if attn_mask is not None:
         vis = vis & np.asarray(attn_mask, bool)  # broadcast from (B or 1, Hq or 1, Sq, Sk)
-    return np.where(vis, s, dt.type(-np.inf)), vis, dcap
+    if added is not None:
+        added = np.broadcast_to(added, s.shape)
+    return np.where(vis, s, dt.type(-np.inf)), vis, dcap, added
 
 
 def prepare(q, k, v, causal, scale, who):
@@ -74,12 +83,13 @@ def dense_probs(q, k, v, causal=False, scale=None, who="numpy-dense", *, window=
 
     Returns (p, lse, (qg, kg, vg, scale, shape), extra) with extra = {"psink": the sink's
     share of each row's softmax (B, Hkv, G, Sq) or None, "dcap": the softcap's derivative
-    or None, "s": the logits}. A sink joins every row's denominator and is part of the LSE.
+    or None, "s": the logits, "added": what the features add, in magnitude (_logits), or None}.
+    A sink joins every row's denominator and is part of the LSE.
     """
     qg, kg, vg, align, scale, (b, hq, sq, sk, dv) = prepare(q, k, v, causal, scale, who)
     f64 = np.float64
-    s, _, dcap = _logits(q.astype(f64), k.astype(f64), causal, scale, window, softcap, alibi_slopes, attn_mask,
-                         attn_bias, rows)
+    s, _, dcap, added = _logits(q.astype(f64), k.astype(f64), causal, scale, window, softcap, alibi_slopes,
+                                attn_mask, attn_bias, rows)
     grouped = (b, kg.shape[1], hq // kg.shape[1], sq)
     s = s.reshape(grouped + (sk,))
     m = s.max(axis=-1, keepdims=True)
@@ -96,7 +106,8 @@ def dense_probs(q, k, v, causal=False, scale=None, who="numpy-dense", *, window=
     psink = None if esink is None else np.divide(esink, total, out=np.zeros_like(total), where=total > 0)[..., 0]
     with np.errstate(divide="ignore"):
         lse = (m + np.log(total))[..., 0]
-    extra = {"psink": psink, "dcap": None if dcap is None else dcap.reshape(s.shape), "s": s}
+    extra = {"psink": psink, "dcap": None if dcap is None else dcap.reshape(s.shape), "s": s,
+             "added": None if added is None else added.reshape(s.shape)}
     return p, lse, (qg, kg, vg, scale, (b, hq, sq, sk, dv)), extra
 
 

@@ -95,6 +95,7 @@ class _Parts:
     lse: np.ndarray
     scale: float
     psink: np.ndarray | None  # the sink's share of each row's softmax, where the case has sinks
+    added: np.ndarray | None = None  # what the features add to each logit, in magnitude (reference._logits)
 
 
 def _cached(maxsize: int, *, precision: bool = True):
@@ -133,7 +134,7 @@ def _parts(case: AttentionCase) -> _Parts:
     _, _, _, do = case.inputs()
     p, lse, (qg, kg, vg, sc, _), extra = _probs(case)
     s = np.where(case.visible_grouped(), extra["s"], 0.0)  # softcapped, ALiBi-biased logits where visible
-    return _Parts(qg, kg, vg, _group(case, do), s, p, p @ vg, lse, sc, extra["psink"])
+    return _Parts(qg, kg, vg, _group(case, do), s, p, p @ vg, lse, sc, extra["psink"], extra["added"])
 
 
 @_cached(32, precision=False)

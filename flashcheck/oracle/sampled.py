@@ -80,7 +80,7 @@ def parts(case: AttentionCase, rows: np.ndarray, inputs=None, naive: dict | None
     vis = case.visible_grouped(rows)
     s = np.where(vis, extra["s"], 0.0)
     dog = do.reshape(qg.shape[:-1] + (do.shape[-1],))
-    pt = rule._Parts(qg, kg, vg, dog, s, p, p @ vg, lse_g, sc, extra["psink"])
+    pt = rule._Parts(qg, kg, vg, dog, s, p, p @ vg, lse_g, sc, extra["psink"], extra["added"])
     dp = dog @ np.swapaxes(vg, -1, -2)
     dp_minus_d = dp - (dog * pt.o).sum(-1, keepdims=True)
     with np.errstate(over="ignore"):
