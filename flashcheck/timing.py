@@ -17,7 +17,7 @@ silences it). FLASHCHECK_TIMING_LOG=PATH also appends one JSON line per finished
 per finished test, from every xdist worker, so that a run stopped by a timeout still tells how
 far it got and why a test failed (a failed test's line carries its message's "E " lines;
 bench/gpu_lane_speed.py reads it). FLASHCHECK_ORDER_BY=PATH runs the tests longest first by the wall
-times such a log recorded (``longest_first``).
+times such a log recorded (``longest_first``); in the gpu profile, without one, by LANE_WALLS.
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -244,6 +245,23 @@ def _rate(examples, wall) -> str:
 
 
 ORDER_ENV = "FLASHCHECK_ORDER_BY"
+# The built-ins' walls in a whole gpu lane on one H200 (2026-12-06, every test that ran): the order a
+# gpu-profile run takes when FLASHCHECK_ORDER_BY names no log of its own (0: pytest's order). Without
+# it the longest tests (FlexAttention's, 50-150 s) started last, and that lane ended 2 min after the
+# summed work divided by its eight workers. A kernel's own tests are unknown to it: they go first.
+LANE_WALLS = Path(__file__).with_name("lane_walls.jsonl")
+
+
+def order_log(profile: str | None) -> str | None:
+    """The timing log a run orders its tests by: FLASHCHECK_ORDER_BY's, else (once the profile is
+    known) LANE_WALLS in a gpu profile; None for pytest's order."""
+    given = os.environ.get(ORDER_ENV, "")
+    if given == "0":
+        return None
+    if given:
+        return given
+    gpu = profile is not None and profile.split("-")[0] == "gpu"
+    return str(LANE_WALLS) if gpu and LANE_WALLS.is_file() else None  # an install without it: pytest's order
 
 
 def longest_first(items: list, path: str) -> None:

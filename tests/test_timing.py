@@ -208,6 +208,41 @@ def test_a_run_given_a_log_runs_its_longest_test_first(tmp_path):
     assert ran == ["test_b", "test_c", "test_a"], f"expected the longest first, ran {ran}\n{run.stdout[-2000:]}"
 
 
+@pytest.mark.parametrize("profile, given, expected", [
+    ("gpu", None, timing.LANE_WALLS), ("gpu-scale", None, timing.LANE_WALLS),  # no log: the last lane's walls
+    ("gpu", "mine.jsonl", "mine.jsonl"), (None, "mine.jsonl", "mine.jsonl"),  # a log given: in any profile
+    ("gpu", "0", None), ("ci", None, None), ("default", None, None)])  # 0: pytest's order; CPU profiles keep it
+def test_a_gpu_run_without_a_log_of_its_own_orders_by_the_last_lanes_walls(profile, given, expected, monkeypatch):
+    monkeypatch.delenv(timing.ORDER_ENV, raising=False)
+    if given is not None:
+        monkeypatch.setenv(timing.ORDER_ENV, given)
+    got = timing.order_log(profile)
+    assert got == (None if expected is None else str(expected)), f"expected {expected} for {profile}, {given}; got {got}"
+
+
+def test_the_shipped_lane_walls_name_tests_and_built_ins_that_exist():
+    """A renamed property or built-in would silently fall out of the default order: every line of
+    LANE_WALLS must name a test function that exists, and a property's a built-in."""
+    import ast
+
+    from flashcheck.impls import builtin
+
+    root = timing.LANE_WALLS.parent.parent
+    names = set(builtin.NAMES) | set(builtin.UNAVAILABLE)  # jax's, where jax is not installed
+    records = [json.loads(line) for line in timing.LANE_WALLS.read_text().splitlines()]
+    assert len(records) > 400 and all(r["kind"] == "test" and r["wall"] >= 0 for r in records)
+    functions = {}
+    for r in records:
+        path, rest = r["test"].split("::")
+        func, _, impl = rest.rstrip("]").partition("[")
+        if path not in functions:
+            tree = ast.parse((root / path).read_text())
+            functions[path] = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+        assert func in functions[path], f"{r['test']}: no {func} in {path}"
+        assert not path.startswith("properties/") or any(impl == n or impl.startswith(n + "-") for n in names), (
+            f"{r['test']}: no built-in {impl}")
+
+
 @pytest.mark.parametrize("profile, args, dist, expected", [
     ("gpu", ("-n", "8"), "load", "worksteal"),  # xdist's default under -n
     ("gpu", ("-n", "8", "--dist", "load"), "load", "load"),  # asked for: kept
