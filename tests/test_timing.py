@@ -217,7 +217,8 @@ def test_a_gpu_run_without_a_log_of_its_own_orders_by_the_last_lanes_walls(profi
     if given is not None:
         monkeypatch.setenv(timing.ORDER_ENV, given)
     got = timing.order_log(profile)
-    assert got == (None if expected is None else str(expected)), f"expected {expected} for {profile}, {given}; got {got}"
+    want = None if expected is None else str(expected)
+    assert got == want, f"expected {want} for profile {profile}, FLASHCHECK_ORDER_BY {given}; got {got}"
 
 
 def test_the_shipped_lane_walls_name_tests_and_built_ins_that_exist():
