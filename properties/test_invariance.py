@@ -87,21 +87,14 @@ def test_keys_split_into_chunks_merged_by_lse_equal_the_whole(impl, case, cuts):
         return
     case = fs.fit(impl, case)
     q, k, v, _ = case.inputs()
-    start, o, lse, chunks = 0, None, None, []
-    for i, cut in enumerate(cuts + [None]):
-        rest = case.sk - start
-        # each cut leaves two lengths the implementation declares it runs (the last chunk: the rest)
-        splits = [] if cut is None else buckets.split_points(
-            [s for s in range(1, rest) if fs.draw.runs_as_is(impl, case.replace(sk=s))
-             and fs.draw.runs_as_is(impl, case.replace(sk=rest - s))])
-        assume(i > 0 or splits)
-        stop = start + splits[cut % len(splits)] if splits else case.sk
+    # every chunk a length the implementation declares it runs
+    bounds = buckets.key_chunks(case.sk, cuts, lambda n: fs.draw.runs_as_is(impl, case.replace(sk=n)))
+    assume(bounds)
+    o = lse = None
+    for start, stop in bounds:
         part = ph.forward(impl, case, k=k[:, :, start:stop], v=v[:, :, start:stop])
         o, lse = (part.o, part.lse) if o is None else merge_attention_states(o, lse, part.o, part.lse)
-        chunks.append(stop - start)
-        start = stop
-        if stop == case.sk:
-            break
+    chunks = [stop - start for start, stop in bounds]
     note(f"keys split into chunks of {chunks}")
     who = f"{impl.name} ({len(chunks)} chunks of {chunks} merged)"
     # each chunk's result carries its own rounding, at most one bound's worth per chunk

@@ -256,13 +256,29 @@ def on() -> bool:
     return active(_profile())
 
 
-def split_points(splits: list[int]) -> list[int]:
-    """Where a property may cut a key range in two (``splits``: every cut it could use). Each cut
-    is two new lengths: for a kernel that compiles per length, two compiles. In a bucketed run the
-    cuts are the first, the middle, the last and 16 keys (a common tile), a few per shape."""
-    if not splits or not on():
-        return splits
-    return sorted({splits[0], splits[len(splits) // 2], splits[-1]} | ({16} & set(splits)))
+def key_chunks(sk: int, cuts: list[int], runs) -> list[tuple[int, int]]:
+    """(start, stop) of each chunk a property cuts Sk keys into, one cut per entry of ``cuts`` (drawn
+    integers, taken modulo the choices), every chunk a length ``runs(n)`` accepts; [] where no cut
+    fits. Each chunk is a new length: for a kernel that compiles per length, a compile. Drawn freely,
+    a cut may land on any key of what the earlier cuts left. In a bucketed run the cuts lie at fixed
+    keys of the whole range (the first, 16, the middle and the last), so however many cuts a case
+    draws, its chunks take a few lengths per shape, the same in every example and every night."""
+    bounds, start = [], 0
+    if on():
+        points = [p for p in sorted({1, 16, sk // 2, sk - 1}) if 0 < p < sk]
+        for p in sorted({points[c % len(points)] for c in cuts}) if points else ():
+            if runs(p - start) and runs(sk - p):
+                bounds.append((start, p))
+                start = p
+    else:
+        for cut in cuts:
+            rest = sk - start
+            splits = [n for n in range(1, rest) if runs(n) and runs(rest - n)]
+            if not splits:
+                break
+            bounds.append((start, start + splits[cut % len(splits)]))
+            start = bounds[-1][1]
+    return bounds + [(start, sk)] if bounds else []
 
 
 def layout(shape: Shape, candidates: tuple[Shape, ...]) -> str:

@@ -1,5 +1,6 @@
 """The gpu lane's shape buckets (strategies/buckets.py): a bounded set per run, the boundary shapes in
 every set, shrinking to the plainest shape, and no change at all to the CPU profiles' draws."""
+import itertools
 import types
 
 import pytest
@@ -176,9 +177,21 @@ def test_the_seed_is_chosen_once_and_kept(monkeypatch):
 
 
 def test_a_key_range_is_cut_at_few_points_in_a_bucketed_run(monkeypatch):
-    every = list(range(1, 40))
+    """Free draws cut what the earlier cuts left anywhere; bucketed ones at the first, 16th, middle
+    and last key of the whole range, so that many cuts still make a few chunk lengths per shape."""
+    anything = lambda n: True  # noqa: E731
     monkeypatch.setenv(buckets.ENV, "0")
-    assert buckets.split_points(every) == every
+    assert buckets.key_chunks(40, [0, 0], anything) == [(0, 1), (1, 2), (2, 40)]
+    assert buckets.key_chunks(40, [38], anything) == [(0, 39), (39, 40)]
+    assert buckets.key_chunks(2, [0, 5], anything) == [(0, 1), (1, 2)]  # one key left: no second cut
     monkeypatch.setenv(buckets.ENV, "1")
-    assert buckets.split_points(every) == [1, 16, 20, 39]
-    assert buckets.split_points([3]) == [3] and buckets.split_points([]) == []
+    lengths = set()
+    for cuts in itertools.product(range(4), repeat=3):
+        bounds = buckets.key_chunks(40, list(cuts), anything)
+        assert bounds[0][0] == 0 and bounds[-1][1] == 40 and all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+        assert {b for _, b in bounds[:-1]} <= {1, 16, 20, 39}, f"expected cuts at 1, 16, 20 or 39, got {bounds}"
+        lengths |= {b - a for a, b in bounds}
+    assert lengths == {1, 4, 15, 16, 19, 20, 23, 24, 38, 39}, f"expected few chunk lengths, got {sorted(lengths)}"
+    even = lambda n: n % 2 == 0  # noqa: E731  (a kernel that runs even lengths only)
+    assert buckets.key_chunks(40, [1, 2], even) == [(0, 16), (16, 20), (20, 40)]
+    assert buckets.key_chunks(40, [0], even) == [] and buckets.key_chunks(1, [0], anything) == []
