@@ -28,7 +28,9 @@ minute, per night.
 ``--nights 2`` runs it all again as a nightly job's next night would: a new --hypothesis-seed,
 the same bucket seed (FLASHCHECK_BUCKET_SEED, fixed in the job) and each pair's Triton cache
 from the night before, which a CUDA runner keeps between runs. Free draws meet new shapes each
-night; the buckets meet the kernels the cache already holds.
+night; the buckets meet the kernels the cache already holds. ``--caches DIR --first-night N`` goes
+on from N earlier nights whose caches DIR kept: a device call too short for four nights runs two,
+and the next call two more.
 """
 from __future__ import annotations
 
@@ -164,6 +166,11 @@ def main():
     ap.add_argument("--seed", type=int, default=1, help="--hypothesis-seed and FLASHCHECK_BUCKET_SEED of every process")
     ap.add_argument("--profile", default="gpu", help="Hypothesis profile (ci tries the script on a CPU machine)")
     ap.add_argument("--nights", type=int, default=1, help="runs in a row, each with the caches of the one before")
+    ap.add_argument("--caches", type=Path, default=None,
+                    help="keep the Triton caches and example databases here (default: a temporary folder), so "
+                         "that a later run with --first-night goes on where this one stopped")
+    ap.add_argument("--first-night", type=int, default=0,
+                    help="the number of nights already run on --caches (their seeds are skipped)")
     ap.add_argument("--then", type=Path, default=None,
                     help="a checkout of an older commit: its suite is the baseline arm instead of 'before'")
     args = ap.parse_args()
@@ -175,15 +182,19 @@ def main():
     args.out.mkdir(parents=True, exist_ok=True)
     lines = []
     with tempfile.TemporaryDirectory(prefix="lane-speed-") as tmp:
+        if args.caches is not None:  # kept for a later invocation's --first-night
+            args.caches.mkdir(parents=True, exist_ok=True)
+            tmp = str(args.caches.resolve())
         (Path(tmp) / "flashcheck_then_timing.py").write_text(SHIM.format(path=str(ROOT / "flashcheck" / "timing.py")))
-        for night in range(args.nights):
+        for night in range(args.first_night, args.first_night + args.nights):
             runs = [launch(impl, spec, arm, h, files, args, args.out, Path(tmp), night)
                     for impl, spec in IMPLS.items() for arm in arms for h, files in enumerate(HALVES)]
             wait(runs, args.window)
             tonight = summarize(runs, args.out, night)
             lines += tonight
             print("\n".join(tonight), flush=True)
-    (args.out / "speed.txt").write_text("\n".join(lines) + "\n")
+    with open(args.out / "speed.txt", "a") as f:  # a later --first-night adds its nights
+        f.write("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
