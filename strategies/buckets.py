@@ -261,11 +261,14 @@ def key_chunks(sk: int, cuts: list[int], runs) -> list[tuple[int, int]]:
     integers, taken modulo the choices), every chunk a length ``runs(n)`` accepts; [] where no cut
     fits. Each chunk is a new length: for a kernel that compiles per length, a compile. Drawn freely,
     a cut may land on any key of what the earlier cuts left. In a bucketed run the cuts lie at fixed
-    keys of the whole range (the first, 16, the middle and the last), so however many cuts a case
-    draws, its chunks take a few lengths per shape, the same in every example and every night."""
+    keys of the whole range (the first, 16, the middle and the last; for a kernel that runs none of
+    those, the first, middle and last cut it does run), so however many cuts a case draws, its chunks
+    take a few lengths per shape, the same in every example and every night."""
     bounds, start = [], 0
     if on():
-        points = [p for p in sorted({1, 16, sk // 2, sk - 1}) if 0 < p < sk]
+        whole = [n for n in range(1, sk) if runs(n) and runs(sk - n)]  # single cuts that leave two runnable halves
+        points = sorted({1, 16, sk // 2, sk - 1} & set(whole)) or sorted({*whole[:1], *whole[len(whole) // 2:][:1],
+                                                                         *whole[-1:]})
         for p in sorted({points[c % len(points)] for c in cuts}) if points else ():
             if runs(p - start) and runs(sk - p):
                 bounds.append((start, p))

@@ -194,4 +194,9 @@ def test_a_key_range_is_cut_at_few_points_in_a_bucketed_run(monkeypatch):
     assert lengths == {1, 4, 15, 16, 19, 20, 23, 24, 38, 39}, f"expected few chunk lengths, got {sorted(lengths)}"
     even = lambda n: n % 2 == 0  # noqa: E731  (a kernel that runs even lengths only)
     assert buckets.key_chunks(40, [1, 2], even) == [(0, 16), (16, 20), (20, 40)]
-    assert buckets.key_chunks(40, [0], even) == [] and buckets.key_chunks(1, [0], anything) == []
+    assert buckets.key_chunks(40, [0], even) == [(0, 16), (16, 40)]  # the cuts it runs: 16 and 20, not 1 or 39
+    assert buckets.key_chunks(1, [0], anything) == [] and buckets.key_chunks(40, [0], lambda n: False) == []
+    by64 = lambda n: n % 64 == 0  # noqa: E731  (none of 1, 16, 96 or 191 fits: its own first, middle, last)
+    assert {tuple(buckets.key_chunks(192, [c], by64)) for c in range(3)} == {((0, 64), (64, 192)),
+                                                                           ((0, 128), (128, 192))}
+    assert buckets.key_chunks(192, [0, 1], by64) == [(0, 64), (64, 128), (128, 192)]
