@@ -97,8 +97,9 @@ def pytest_addoption(parser):
 
 @pytest.hookimpl(tryfirst=True)  # before Hypothesis's plugin loads the profile, so a bad name gets one line
 def pytest_configure(config):
-    if timing.order_log(None):  # an earlier run's timing log: the longest tests first, in any run
-        config.pluginmanager.register(timing.Order(timing.order_log(None)), "flashcheck-order")
+    given_order = timing.order_log(None)
+    if given_order:  # an earlier run's timing log: the longest tests first, in any run
+        config.pluginmanager.register(timing.Order(given_order), "flashcheck-order")
     specs = _specs(config)
     checkout = _checkout(Path(str(config.rootpath)).resolve())
     if not specs and checkout is None:
@@ -119,8 +120,9 @@ def pytest_configure(config):
     _cache_autotuning()
     profile = _load_profile(config)
     devices.steal_work(config, profile)
-    if not timing.order_log(None) and timing.order_log(profile):  # no log of its own: the last lane's walls
-        config.pluginmanager.register(timing.Order(timing.order_log(profile)), "flashcheck-order")
+    walls = None if given_order else timing.order_log(profile)
+    if walls:  # no log of its own: the last lane's walls
+        config.pluginmanager.register(timing.Order(walls), "flashcheck-order")
     if os.environ.get("FLASHCHECK_PROPERTY_SECONDS"):
         _seconds(os.environ["FLASHCHECK_PROPERTY_SECONDS"])  # a bad value stops the run before it starts
     from flashcheck.contract import ContractError, builtins, load

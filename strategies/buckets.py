@@ -267,10 +267,10 @@ def key_chunks(sk: int, cuts: list[int], runs) -> list[tuple[int, int]]:
     bounds, start = [], 0
     if on():
         whole = [n for n in range(1, sk) if runs(n) and runs(sk - n)]  # single cuts that leave two runnable halves
-        points = sorted({1, 16, sk // 2, sk - 1} & set(whole)) or sorted({*whole[:1], *whole[len(whole) // 2:][:1],
-                                                                         *whole[-1:]})
+        points = (sorted({1, 16, sk // 2, sk - 1} & set(whole)) or sorted({whole[0], whole[len(whole) // 2], whole[-1]})
+                  if whole else [])
         for p in sorted({points[c % len(points)] for c in cuts}) if points else ():
-            if runs(p - start) and runs(sk - p):
+            if runs(p - start):  # what follows p runs: p is in whole
                 bounds.append((start, p))
                 start = p
     else:
