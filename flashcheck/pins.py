@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from flashcheck.strategies import AttentionCase, feature_table
+from flashcheck.strategies.varlen import Packed
 
 BUDGET_S = 30.0  # shrinking is a courtesy on top of a failure already found: keep it bounded
 MAX_TRIES = 200
@@ -24,7 +25,7 @@ _ONCE = settings(database=None, max_examples=1, phases=[Phase.generate], derando
 
 @dataclass
 class PinShrink:
-    pin: AttentionCase  # the pinned case that failed
+    pin: AttentionCase  # the pinned case that failed (a packed or cached batch's template)
     case: AttentionCase  # the smallest failing case reached from it (as drawn; the test fits it)
     error: BaseException  # what the property raised on ``case``
     tries: int
@@ -58,7 +59,7 @@ def simpler(c: AttentionCase):
     steps = [dict(batch=1), dict(hq=c.hkv), dict(hkv=1, hq=group), dict(hkv=1, hq=1)]
     for field in ("sq", "sk", "d"):
         n = getattr(c, field)
-        steps += [{field: m} for m in (1, n // 2, n - 1) if 1 <= m < n]
+        steps += [{field: m} for m in sorted({1, 2, n // 4, n // 2, 3 * n // 4, n - 1}) if 1 <= m < n]
     steps += [dict(dv=c.d)] + [dict(dv=m) for m in (1, c.dv // 2, c.dv - 1) if 1 <= m < c.dv]
     steps += [dict(causal=None), dict(scale=None), dict(dtype="float64"), dict(dtype="float32"),
               dict(regime="plain"), dict(seed=0)]
@@ -66,13 +67,56 @@ def simpler(c: AttentionCase):
     for field in ("block_q", "block_k"):
         n = getattr(c, field)
         steps += [{field: 16}] + [{field: m} for m in (1, n // 2, n - 1) if 1 <= m < n]
+    # a mask or bias tensor is drawn from its seed at the case's shape: at a shorter length the same
+    # seed draws another tensor, which may not hit the bug (a row the mask empties), so shorter
+    # lengths are tried again under a few other draws
+    for name in ("mask", "bias"):
+        spec = getattr(c, name)
+        if spec is not None:
+            steps += [{**s, name: spec[:-1] + (spec[-1] + k,)} for k in (1, 2, 3)
+                      for s in steps if set(s) <= {"sq", "sk"}]
     for change in steps:
         try:
-            cand = c.replace(**change)
+            cand = c.replace(**_trimmed(c, change))
         except ValueError:
             continue
         if cand != c and _size(cand) <= _size(c):
             yield cand
+
+
+def _trimmed(c: AttentionCase, change: dict) -> dict:
+    """``change``, with per-batch ALiBi slopes and per-head slopes and sinks cut to the new batch and
+    heads (a pin with slopes per batch entry still shrinks to batch 1)."""
+    batch, hq = change.get("batch", c.batch), change.get("hq", c.hq)
+    out = dict(change)
+    if c.alibi is not None and "alibi" not in change:
+        per_batch = isinstance(c.alibi[0], tuple)
+        rows = c.alibi[:batch] if per_batch else c.alibi
+        out["alibi"] = tuple(r[:hq] for r in rows) if per_batch else rows[:hq]
+    if c.sinks is not None and "sinks" not in change:
+        out["sinks"] = c.sinks[:hq]
+    return out
+
+
+def simpler_packed(p: Packed):
+    """Packed batches one step plainer than ``p``: a sequence fewer, a sequence shorter, or a plainer
+    template (its lengths stay the first sequence's)."""
+    n, options = len(p.lengths), []
+    for b in range(n):
+        if n > 1:
+            options.append(p.lengths[:b] + p.lengths[b + 1:])
+        for side in (0, 1):
+            length = p.lengths[b][side]
+            for m in (1, length // 2, length - 1):
+                if 1 <= m < length:
+                    pair = (m, p.lengths[b][1]) if side == 0 else (p.lengths[b][0], m)
+                    options.append(p.lengths[:b] + (pair,) + p.lengths[b + 1:])
+    for lengths in options:
+        if min(lengths[0]) >= 1:  # the template is the first sequence: drawn cases never have an empty side
+            yield Packed(p.case.replace(sq=lengths[0][0], sk=lengths[0][1]), lengths)
+    for cand in simpler(p.case):
+        if (cand.sq, cand.sk) == (p.case.sq, p.case.sk):
+            yield Packed(cand, p.lengths)
 
 
 def _size(c: AttentionCase):
@@ -81,6 +125,17 @@ def _size(c: AttentionCase):
              *(f in c.features for f in feature_table.NAMES))
     return (c.batch * c.hq * c.sq * c.sk * max(c.d, c.dv), c.batch, c.hq, c.hkv, c.sq + c.sk, c.d + c.dv,
             sum(plain), abs(c.block_q - 16) + abs(c.block_k - 16), c.seed)
+
+
+def _size_packed(p: Packed):
+    return (sum(a + b for a, b in p.lengths), len(p.lengths), _size(p.case))
+
+
+def _simpler_any(x):
+    if isinstance(x, Packed):
+        yield from (c for c in simpler_packed(x) if _size_packed(c) < _size_packed(x))
+    else:
+        yield from simpler(x)
 
 
 def shrink_failing_pin(item, impl, exc: BaseException) -> PinShrink | None:
@@ -96,24 +151,26 @@ def shrink_failing_pin(item, impl, exc: BaseException) -> PinShrink | None:
     want = type(exc)
     for pin in reversed(pins):  # the order Hypothesis runs them in
         kwargs = {**base, **pin.kwargs, "impl": impl}
-        if not isinstance(kwargs.get("case"), AttentionCase):
+        key = next((k for k, v in kwargs.items() if isinstance(v, (AttentionCase, Packed))), None)
+        if key is None:
             continue
         err = _run(inner, kwargs)
         if isinstance(err, want):
             break
     else:
         return None
-    start, tries, case = time.monotonic(), 0, kwargs["case"]
+    start, tries, case = time.monotonic(), 0, kwargs[key]
     improved = True
     while improved and tries < MAX_TRIES and time.monotonic() - start < BUDGET_S:
         improved = False
-        for cand in simpler(case):
+        for cand in _simpler_any(case):
             tries += 1
-            failure = _run(inner, {**kwargs, "case": cand})
+            failure = _run(inner, {**kwargs, key: cand})
             if isinstance(failure, want):
                 case, err, improved = cand, failure, True
                 break
             if tries >= MAX_TRIES:
                 break
-    err = _run(inner, {**kwargs, "case": case}) or err  # the last run's fit is the one reported
-    return PinShrink(pin=kwargs["case"], case=case, error=err, tries=tries)
+    err = _run(inner, {**kwargs, key: case}) or err  # the last run's fit is the one reported
+    template = lambda x: x.case if isinstance(x, Packed) else x  # noqa: E731
+    return PinShrink(pin=template(kwargs[key]), case=template(case), error=err, tries=tries)
