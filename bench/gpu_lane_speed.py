@@ -74,7 +74,11 @@ def launch(impl, spec, arm, half, files, args, out: Path, caches: Path, night: i
                XLA_PYTHON_CLIENT_PREALLOCATE="false",
                # the lane's xdist workers never run flashcheck's first pass (one uncounted case of
                # every property before the run proper); these plain pytest processes would
-               FLASHCHECK_FIRST_PASS="0")
+               FLASHCHECK_FIRST_PASS="0",
+               # pytest's order in every arm: the gpu profile's default (longest test first, from
+               # flashcheck/lane_walls.jsonl) finishes a whole lane sooner, but in a window it spends the
+               # first seconds on the slowest tests, and examples per second would measure the order
+               FLASHCHECK_ORDER_BY="0")
     env.pop("FLASHCHECK_IMPL", None)
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist", "-p", "no:randomly", "-q",
            "--impl", spec, f"--hypothesis-seed={args.seed + night}", *files]
