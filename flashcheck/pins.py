@@ -25,8 +25,8 @@ _ONCE = settings(database=None, max_examples=1, phases=[Phase.generate], derando
 
 @dataclass
 class PinShrink:
-    pin: AttentionCase  # the pinned case that failed (a packed or cached batch's template)
-    case: AttentionCase  # the smallest failing case reached from it (as drawn; the test fits it)
+    pin: AttentionCase | Packed  # the pinned case (or packed batch) that failed
+    case: AttentionCase | Packed  # the smallest failing one reached from it (as drawn; the test fits it)
     error: BaseException  # what the property raised on ``case``
     tries: int
 
@@ -172,5 +172,4 @@ def shrink_failing_pin(item, impl, exc: BaseException) -> PinShrink | None:
             if tries >= MAX_TRIES:
                 break
     err = _run(inner, {**kwargs, key: case}) or err  # the last run's fit is the one reported
-    template = lambda x: x.case if isinstance(x, Packed) else x  # noqa: E731
-    return PinShrink(pin=template(kwargs[key]), case=template(case), error=err, tries=tries)
+    return PinShrink(pin=kwargs[key], case=case, error=err, tries=tries)

@@ -62,6 +62,13 @@ def _first_error(exc: BaseException) -> BaseException:
     return exc
 
 
+def _pin_code(pin, impl) -> str:
+    """A pinned case, or a pinned packed batch with its template as code."""
+    if isinstance(pin, AttentionCase):
+        return case_code(pin, impl)
+    return f"{type(pin).__name__}({case_code(pin.case, impl)}, lengths={pin.lengths!r})"
+
+
 @dataclass
 class Failure:
     impl: object
@@ -69,7 +76,7 @@ class Failure:
     case: AttentionCase | None
     error: BaseException
     full_message: str
-    pin: AttentionCase | None = None  # the pinned @example the case was shrunk from
+    pin: object = None  # the pinned @example's case (or packed batch) the case was shrunk from
     entries: Entries | None = None  # what the oracle found, entry by entry, in the comparison that failed
     params: str = ""  # the test's other parameters (e.g. which malformed input)
     layout: object = None  # the packed or cached batch the case is one sequence of (strategies/varlen.py, kvcache.py)
@@ -104,8 +111,9 @@ class Failure:
         if self.case is not None:
             origin = "shrunk"
             if self.pin is not None:
-                pinned = case_code(self.pin, impl)
-                origin = ("a pinned example, already minimal" if pinned == case_code(self.case, impl)
+                whole = self.layout if not isinstance(self.pin, AttentionCase) and self.layout is not None else self.case
+                pinned, now = _pin_code(self.pin, impl), _pin_code(whole, impl)
+                origin = ("a pinned example, already minimal" if pinned == now
                           else f"shrunk from the pinned example {pinned}")
             lines.append(f"  case = {case_code(self.case, impl)}  # {origin}, fitted to {impl.name}")
         if devices.ran_on():

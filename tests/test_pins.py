@@ -28,3 +28,14 @@ def test_a_packed_batch_shrinks_by_sequences_and_lengths_keeping_its_template_fi
     for s in steps:
         assert pins._size_packed(s) < pins._size_packed(p), f"{s} is not plainer than {p}"
         assert (s.case.sq, s.case.sk) == s.lengths[0] and min(s.lengths[0]) >= 1, f"{s}: template is not the first sequence"
+
+
+def test_a_report_names_the_pinned_packed_batch_it_shrank_from():
+    from types import SimpleNamespace
+
+    from flashcheck import report
+
+    impl = SimpleNamespace(blocks=None, tiles=None)
+    pin = Packed(Case(hq=3, hkv=3, sq=23, sk=40), ((23, 40), (4, 0)))
+    assert report._pin_code(pin, impl) == "Packed(AttentionCase(hq=3, hkv=3, sq=23, sk=40), lengths=((23, 40), (4, 0)))"
+    assert report._pin_code(Case(sq=2), impl) == "AttentionCase(sq=2)"
