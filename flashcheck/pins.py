@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from flashcheck.strategies import AttentionCase, feature_table
+from flashcheck.strategies.kvcache import Cached
 from flashcheck.strategies.varlen import Packed
 
 BUDGET_S = 30.0  # shrinking is a courtesy on top of a failure already found: keep it bounded
@@ -25,8 +26,8 @@ _ONCE = settings(database=None, max_examples=1, phases=[Phase.generate], derando
 
 @dataclass
 class PinShrink:
-    pin: AttentionCase | Packed  # the pinned case (or packed batch) that failed
-    case: AttentionCase | Packed  # the smallest failing one reached from it (as drawn; the test fits it)
+    pin: AttentionCase | Packed | Cached  # the pinned case (or packed or cached batch) that failed
+    case: AttentionCase | Packed | Cached  # the smallest failing one reached from it (as drawn; the test fits it)
     error: BaseException  # what the property raised on ``case``
     tries: int
 
@@ -127,15 +128,40 @@ def _size(c: AttentionCase):
             sum(plain), abs(c.block_q - 16) + abs(c.block_k - 16), c.seed)
 
 
-def _size_packed(p: Packed):
-    return (sum(a + b for a, b in p.lengths), len(p.lengths), _size(p.case))
+def simpler_cached(c: Cached):
+    """Cached batches one step plainer than ``c``: another sequence fewer or shorter, a plainer layout
+    (no spare slots, one split, blocks in order, no pages), or a plainer template at its lengths."""
+    own = c.lengths.index(c.case.sk - (c.case.sq if c.append else 0))  # the template's sequence
+    for b, n in enumerate(c.lengths):
+        if b != own:
+            yield c.replace(lengths=c.lengths[:b] + c.lengths[b + 1:])
+            yield from (c.replace(lengths=c.lengths[:b] + (m,) + c.lengths[b + 1:]) for m in sorted({0, n // 2, n - 1}) if 0 <= m < n)
+    yield from (c.replace(**step) for step in (dict(spare=0), dict(num_splits=1), dict(order=None),
+                                                dict(page_size=None, order=None)))
+    added = c.case.sq if c.append else 0
+    for cand in simpler(c.case):
+        if (cand.sq, cand.sk) == (c.case.sq, c.case.sk):
+            yield c.replace(case=cand)
+        elif cand.sq == c.case.sq and cand.sk >= added:  # a shorter template: its own cache shorter
+            yield c.replace(case=cand, lengths=c.lengths[:own] + (cand.sk - added,) + c.lengths[own + 1:])
+
+
+def _size_of(x):
+    """_size, for a packed or cached batch too: its tokens and sequences, then its template's size."""
+    if isinstance(x, Packed):
+        return (sum(a + b for a, b in x.lengths), len(x.lengths), _size(x.case))
+    if isinstance(x, Cached):
+        layout = (x.spare, x.num_splits, x.order is not None, x.page_size is not None)
+        return (sum(x.lengths), len(x.lengths), layout, _size(x.case))
+    return _size(x)
 
 
 def _simpler_any(x):
-    if isinstance(x, Packed):
-        yield from (c for c in simpler_packed(x) if _size_packed(c) < _size_packed(x))
-    else:
+    if isinstance(x, AttentionCase):
         yield from simpler(x)
+    else:
+        steps = simpler_packed(x) if isinstance(x, Packed) else simpler_cached(x)
+        yield from (c for c in steps if _size_of(c) < _size_of(x))
 
 
 def shrink_failing_pin(item, impl, exc: BaseException) -> PinShrink | None:
@@ -151,7 +177,7 @@ def shrink_failing_pin(item, impl, exc: BaseException) -> PinShrink | None:
     want = type(exc)
     for pin in reversed(pins):  # the order Hypothesis runs them in
         kwargs = {**base, **pin.kwargs, "impl": impl}
-        key = next((k for k, v in kwargs.items() if isinstance(v, (AttentionCase, Packed))), None)
+        key = next((k for k, v in kwargs.items() if isinstance(v, (AttentionCase, Packed, Cached))), None)
         if key is None:
             continue
         err = _run(inner, kwargs)

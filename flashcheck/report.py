@@ -63,10 +63,10 @@ def _first_error(exc: BaseException) -> BaseException:
 
 
 def _pin_code(pin, impl) -> str:
-    """A pinned case, or a pinned packed batch with its template as code."""
+    """A pinned case, or a pinned packed or cached batch with its template as code."""
     if isinstance(pin, AttentionCase):
         return case_code(pin, impl)
-    return f"{type(pin).__name__}({case_code(pin.case, impl)}, lengths={pin.lengths!r})"
+    return repr(pin).replace(repr(pin.case), case_code(pin.case, impl), 1)
 
 
 @dataclass
