@@ -2,9 +2,9 @@
 
 Hypothesis runs the pins first and, when one fails, reports it as it is: a boundary case
 chosen by hand (``sq=6, sk=6, block_q=3, block_k=3``), not the smallest case that fails.
-Here the property is re-run on simpler and simpler cases, one field at a time, keeping
-each change that still fails the same way, so the report leads with the smallest case
-reached (and names the pin it came from).
+Here the property is re-run on simpler and simpler cases (or packed and cached batches), one
+field at a time, keeping each change that still fails the same way, so the report leads with
+the smallest case reached (and names the pin it came from).
 """
 from __future__ import annotations
 
@@ -135,7 +135,8 @@ def simpler_cached(c: Cached):
     for b, n in enumerate(c.lengths):
         if b != own:
             yield c.replace(lengths=c.lengths[:b] + c.lengths[b + 1:])
-            yield from (c.replace(lengths=c.lengths[:b] + (m,) + c.lengths[b + 1:]) for m in sorted({0, n // 2, n - 1}) if 0 <= m < n)
+            shorter = sorted({0, n // 2, n - 1} - {n})
+            yield from (c.replace(lengths=c.lengths[:b] + (m,) + c.lengths[b + 1:]) for m in shorter if m >= 0)
     yield from (c.replace(**step) for step in (dict(spare=0), dict(num_splits=1), dict(order=None),
                                                 dict(page_size=None, order=None)))
     added = c.case.sq if c.append else 0

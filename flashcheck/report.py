@@ -111,8 +111,8 @@ class Failure:
         if self.case is not None:
             origin = "shrunk"
             if self.pin is not None:
-                whole = self.layout if not isinstance(self.pin, AttentionCase) and self.layout is not None else self.case
-                pinned, now = _pin_code(self.pin, impl), _pin_code(whole, impl)
+                batch = not isinstance(self.pin, AttentionCase) and self.layout is not None  # a packed or cached pin
+                pinned, now = _pin_code(self.pin, impl), _pin_code(self.layout if batch else self.case, impl)
                 origin = ("a pinned example, already minimal" if pinned == now
                           else f"shrunk from the pinned example {pinned}")
             lines.append(f"  case = {case_code(self.case, impl)}  # {origin}, fitted to {impl.name}")

@@ -28,7 +28,8 @@ def test_a_packed_batch_shrinks_by_sequences_and_lengths_keeping_its_template_fi
     assert Packed(Case(sq=23, sk=40), p.lengths) in steps, "one head in the template is a step"
     for s in steps:
         assert pins._size_of(s) < pins._size_of(p), f"{s} is not plainer than {p}"
-        assert (s.case.sq, s.case.sk) == s.lengths[0] and min(s.lengths[0]) >= 1, f"{s}: template is not the first sequence"
+        assert (s.case.sq, s.case.sk) == s.lengths[0] and min(s.lengths[0]) >= 1, \
+            f"{s}: template is not the first sequence"
 
 
 def test_a_report_names_the_pinned_packed_batch_it_shrank_from():

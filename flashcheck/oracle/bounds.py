@@ -165,9 +165,10 @@ def _scores(case, pt, pr: Precision, u: Units) -> Scores:
     # product of an exp2 kernel; a large ALiBi term or bias can dwarf the dot product. Each term
     # counts at its own magnitude, not at the net change: a bias that cancels ALiBi's term leaves a
     # small logit from a partial sum that rounded at the term's size (torch-tiled, fp16 on an H200:
-    # LSE at 1.11x the bound when the net change was counted, a bias of 46 against ALiBi's -46.5). Where P is 0
-    # (exp underflows in float64, so in any kernel: a finfo.min bias beside finite ones) no error of
-    # the score reaches a result, and none is counted (its magnitude would make inf * 0 = NaN).
+    # LSE at 1.11x the bound when the net change was counted, a bias of 46 against ALiBi's -46.5).
+    # Where P is 0 (exp underflows in float64, so in any kernel: a finfo.min bias beside finite
+    # ones) no error of the score reaches a result, and none is counted (its magnitude would make
+    # inf * 0 = NaN).
     added = 0.0 if pt.added is None else np.where(vis, pt.added, 0.0)
     live = vis & (p > 0)
     s_live = np.where(live, pt.s, 0.0)
