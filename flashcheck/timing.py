@@ -25,6 +25,7 @@ import functools
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -44,6 +45,8 @@ class Clock:
         self.hooked = False  # looked for Triton's hooks
         self.timing = False  # and found them: the jit column is measured
         self._started = None
+        self._active: set = set()  # threads compiling now
+        self._lock = threading.Lock()
         self.jax_s = 0.0
         self.jax_hooked = False
 
@@ -57,15 +60,23 @@ class Clock:
             return  # Triton < 3.4, or the interpreter's stub: the jit column stays "-"
         before, after = runtime.jit_cache_hook, runtime.jit_post_compile_hook
 
+        # Compiles may run in several threads at once (impls/triton_warm.py): the column counts the
+        # seconds during which at least one runs. A compile that raises never reports back; its
+        # thread's next compile takes its place.
         def on_miss(*args, **kwargs):  # a kernel not built yet in this process: compile (or disk-load) starts
-            self._started = time.perf_counter()
+            with self._lock:
+                if not self._active:
+                    self._started = time.perf_counter()
+                self._active.add(threading.get_ident())
             return before(*args, **kwargs) if before else None  # a true value would skip the compile
 
         def on_built(*args, **kwargs):
-            if self._started is not None:
-                self.jit_s += time.perf_counter() - self._started
-                self.jit_n += 1
-                self._started = None
+            with self._lock:
+                if threading.get_ident() in self._active:
+                    self._active.discard(threading.get_ident())
+                    self.jit_n += 1
+                    if not self._active:
+                        self.jit_s += time.perf_counter() - self._started
             return after(*args, **kwargs) if after else None
 
         runtime.jit_cache_hook, runtime.jit_post_compile_hook = on_miss, on_built

@@ -50,6 +50,7 @@ from flashcheck.impls import interpreter
 from flashcheck.contract.memory import MEMORY
 from flashcheck.contract.checks import alignment, check_inputs, dtype_name, offset
 from flashcheck.impls import triton_kernels as K
+from flashcheck.impls import triton_warm as warm
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 if INTERPRET:
@@ -153,16 +154,17 @@ def _fit(cfg: _Cfg, esize, dp, dvp):
 
 
 def _launch(kernel, grid_fn, cfg, *args, **constexprs):
-    """Launch with cfg = [BLOCK_M, BLOCK_N, warps, stages]; on shared-memory overflow halve a block."""
+    """Launch with cfg = [BLOCK_M, BLOCK_N (None: the kernel has none), warps, stages]; on shared-memory
+    overflow halve a block."""
     while True:
         bm, bn, w, st = cfg
         try:
-            kernel[grid_fn(bm, bn)](*args, BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st, **constexprs)
+            kernel[grid_fn(bm, bn)](*args, **warm.blocks(cfg), num_warps=w, num_stages=st, **constexprs)
             return
         except OutOfResources:
             if st > 1:
                 cfg[3] = st - 1
-            elif max(bm, bn) > 16:
+            elif bn is not None and max(bm, bn) > 16:
                 if bm >= bn:
                     cfg[0] = bm // 2
                 else:
@@ -285,48 +287,78 @@ def _forward(q, k, v, align, scale, precision, cfg: _Cfg, kernels=K, out=None, f
     return o, lse
 
 
-def _backward(do, q, k, v, o, lse, align, scale, precision, cfg: _Cfg, kernels=K, out=None,
-              feats: _Features | None = None):
-    """(dq, dk, dv, dsinks or None). out=(delta, dq, dk, dv) writes into given buffers (the reliability
-    tests pass NaN-filled ones)."""
+def _bwd_launches(do, q, k, v, o, lse, delta, dq, dk, dvv, scale, precision, cfg: _Cfg, kernels, feats: _Features):
+    """The backward's launches in order, as (kernel, grid_fn, cfg, args, keyword arguments)."""
     b, hq, sq, d = q.shape
     hkv, sk, dv = k.shape[1], k.shape[2], v.shape[3]
     dpad, dvpad = _pad(d), _pad(dv)
+    pre = [16 if INTERPRET else 64, None, 4, 3]  # Triton's default warps and stages
+    common = dict(**feats.kernel_args(lse, with_sinks=False), D_PAD=dpad, DV_PAD=dvpad, PAD_D=dpad != d,
+                  PAD_DV=dvpad != dv, DOT_PREC=precision)
+    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+               v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2))
+    return [(kernels.attn_bwd_preprocess, lambda bm, bn: (triton.cdiv(sq, bm), hq, b), pre,
+             (o, do, delta, o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
+              hq, sq, dv), dict(DV_PAD=dvpad, PAD_DV=dvpad != dv)),
+            (kernels.attn_bwd_dkdv, lambda bm, bn: (triton.cdiv(sk, bn), hkv, b), cfg.dkdv,
+             (q, k, v, do, lse, delta, dk, dvv, *strides, dk.stride(0), dk.stride(1), dk.stride(2),
+              dvv.stride(0), dvv.stride(1), dvv.stride(2), hq, hkv, hq // hkv, sq, sk, d, dv, feats.off,
+              scale * K.LOG2E_F, scale), common),
+            (kernels.attn_bwd_dq, lambda bm, bn: (triton.cdiv(sq, bm), hq, b), cfg.dq,
+             (q, k, v, do, lse, delta, dq, *strides, dq.stride(0), dq.stride(1), dq.stride(2),
+              hq, hq // hkv, sq, sk, d, dv, feats.off, scale * K.LOG2E_F, scale), common)]
+
+
+def _bwd_key(q, k, v, o, precision, cfg: _Cfg, kernels, feats: _Features):
+    """What the backward's compiles depend on (more finely than Triton's own keys: exact shapes)."""
+    return (id(kernels), q.device, precision, tuple(cfg.dkdv), tuple(cfg.dq), feats.causal, feats.left,
+            feats.softcap > 0, None if feats.slopes is None else feats.slopes.ndim,
+            *((x.dtype, x.data_ptr() % 16, tuple(x.shape), x.stride()) for x in (q, k, v, o)))
+
+
+def _compile_backward_ahead(q, k, v, o, lse, scale, precision, cfg: _Cfg, kernels, feats: _Features) -> list:
+    """Start the backward's compiles while the forward runs (triton_warm), for a dO laid out as O is."""
+    if INTERPRET:
+        return []
+
+    def launches():  # dQ, dK, dV and D as the backward allocates them
+        like = [torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v)]
+        return _bwd_launches(o, q, k, v, o, lse, torch.empty_like(lse), *like, scale, precision, cfg, kernels, feats)
+
+    return warm.ahead(_bwd_key(q, k, v, o, precision, cfg, kernels, feats), launches, q.device)
+
+
+def _backward(do, q, k, v, o, lse, align, scale, precision, cfg: _Cfg, kernels=K, out=None,
+              feats: _Features | None = None, compiling=()):
+    """(dq, dk, dv, dsinks or None). out=(delta, dq, dk, dv) writes into given buffers (the reliability
+    tests pass NaN-filled ones). ``compiling``: the futures of compiles started by the forward."""
     do = _last_dim_contiguous(do)
     feats = feats or _features(q, k, align)
     if out is None:
-        delta = torch.empty((b, hq, sq), device=q.device, dtype=torch.float32)
+        delta = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
         dq = torch.empty_like(q, memory_format=torch.contiguous_format)
         dk = torch.empty_like(k, memory_format=torch.contiguous_format)
         dvv = torch.empty_like(v, memory_format=torch.contiguous_format)
     else:
         delta, dq, dk, dvv = out
-    pre_bm = 16 if INTERPRET else 64
-    kernels.attn_bwd_preprocess[(triton.cdiv(sq, pre_bm), hq, b)](
-        o, do, delta, o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
-        hq, sq, dv, BLOCK_M=pre_bm, DV_PAD=dvpad, PAD_DV=dvpad != dv)
-    common = dict(**feats.kernel_args(lse, with_sinks=False), D_PAD=dpad, DV_PAD=dvpad, PAD_D=dpad != d,
-                  PAD_DV=dvpad != dv, DOT_PREC=precision)
-    _launch(kernels.attn_bwd_dkdv, lambda bm, bn: (triton.cdiv(sk, bn), hkv, b), cfg.dkdv,
-            q, k, v, do, lse, delta, dk, dvv,
-            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
-            dk.stride(0), dk.stride(1), dk.stride(2), dvv.stride(0), dvv.stride(1), dvv.stride(2),
-            hq, hkv, hq // hkv, sq, sk, d, dv, feats.off, scale * K.LOG2E_F, scale, **common)
-    _launch(kernels.attn_bwd_dq, lambda bm, bn: (triton.cdiv(sq, bm), hq, b), cfg.dq,
-            q, k, v, do, lse, delta, dq,
-            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
-            dq.stride(0), dq.stride(1), dq.stride(2),
-            hq, hq // hkv, sq, sk, d, dv, feats.off, scale * K.LOG2E_F, scale, **common)
+    launches = _bwd_launches(do, q, k, v, o, lse, delta, dq, dk, dvv, scale, precision, cfg, kernels, feats)
+    warm.wait(compiling)
+    if not INTERPRET:  # a layout the forward did not foresee: its three kernels compile at once
+        key = _bwd_key(q, k, v, o, precision, cfg, kernels, feats) + (do.stride(), do.data_ptr() % 16)
+        warm.wait(warm.ahead(key, lambda: launches, q.device))
+    for kernel, grid_fn, c, args, kwargs in launches:
+        _launch(kernel, grid_fn, c, *args, **kwargs)
     dsinks = None if feats.sinks is None else _sink_grad(feats.sinks, lse, delta)
     return dq, dk, dvv, dsinks
 
 
 class _FlashAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, sinks, align, scale, precision, cfg, kernels, feats):
-        o, lse = _forward(q, k, v, align, scale, precision, cfg, kernels, feats=feats)
+    def forward(ctx, q, k, v, sinks, align, scale, precision, cfg, kernels, feats, grad):
+        o = torch.empty((*q.shape[:3], v.shape[3]), device=q.device, dtype=q.dtype)
+        lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
+        ctx.compiling = _compile_backward_ahead(q, k, v, o, lse, scale, precision, cfg, kernels, feats) if grad else []
+        _forward(q, k, v, align, scale, precision, cfg, kernels, out=(o, lse), feats=feats)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.args = (align, scale, precision, cfg, kernels)
         ctx.feats = feats  # holds sinks and slopes, which autograd hands in unchanged
@@ -336,8 +368,8 @@ class _FlashAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, _dlse):
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv, dsinks = _backward(do, q, k, v, o, lse, *ctx.args, feats=ctx.feats)
-        return dq, dk, dv, dsinks, None, None, None, None, None, None
+        dq, dk, dv, dsinks = _backward(do, q, k, v, o, lse, *ctx.args, feats=ctx.feats, compiling=ctx.compiling)
+        return dq, dk, dv, dsinks, None, None, None, None, None, None, None
 
 
 def flash_attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, alibi_slopes=None,
@@ -364,7 +396,8 @@ def flash_attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0
         cfg = _fit(cfg, q.element_size(), _pad(d), _pad(dv))
     feats = _features(q, k, align, window, softcap, alibi_slopes, sinks)
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
-    return _FlashAttention.apply(q, k, v, feats.sinks, align, scale, precision, cfg, kernels, feats)
+    grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, feats.sinks) if x is not None)
+    return _FlashAttention.apply(q, k, v, feats.sinks, align, scale, precision, cfg, kernels, feats, grad)
 
 
 # What triton-fused declares; its mutants (mutants/triton.py) declare the same.
