@@ -4,6 +4,8 @@ Over cases of every dtype, logit regime and feature, the truth and the allowed e
 rows match the dense oracle's at those rows, and results placed on either side of the bound get the
 same verdict from both.
 """
+import warnings
+
 import numpy as np
 import pytest
 
@@ -128,6 +130,11 @@ def test_the_terms_evaluated_in_chunks_of_rows_are_the_whole_problems(case, monk
     assert len(chunks) == (1 if case.precision == "dense" else -(-case.sq // 3)), chunks  # "dense": ties down columns
     with np.errstate(over="ignore"):
         chunked = dict(bounds.rounding_bounds(case, pt, ds, orc.rule.half_spacing))
-    for name in sampled.NAMES + sampled.KEY_NAMES:
-        assert chunked[name].shape == whole[name].shape and np.allclose(chunked[name], whole[name], rtol=1e-12, atol=0), (
-            f"{name}: expected the whole problem's terms, worst ratio {float(np.max(chunked[name] / whole[name])):.15g}")
+    monkeypatch.setattr(bounds, "threads", lambda: 2)  # the chunks in two threads, as on a worker with two cores
+    with np.errstate(over="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("error")  # the caller's error state holds in the threads: no RuntimeWarning
+        threaded = dict(bounds.rounding_bounds(case, pt, ds, orc.rule.half_spacing))
+    for terms in (chunked, threaded):
+        for name in sampled.NAMES + sampled.KEY_NAMES:
+            assert terms[name].shape == whole[name].shape and np.allclose(terms[name], whole[name], rtol=1e-12, atol=0), (
+                f"{name}: expected the whole problem's terms, worst ratio {float(np.max(terms[name] / whole[name])):.15g}")

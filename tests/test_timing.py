@@ -69,6 +69,36 @@ def test_triton_compile_hooks_are_timed_and_chained(monkeypatch):
     assert seen == ["cache", "post", "post"] and clock.jit_n == 1 and clock.jit_s >= 0, (seen, clock.jit_n)
 
 
+def test_compiles_in_several_threads_at_once_count_their_overlap_once(monkeypatch):
+    import threading
+    import time
+
+    runtime = types.SimpleNamespace(jit_cache_hook=None, jit_post_compile_hook=None)
+    monkeypatch.setitem(sys.modules, "triton", types.SimpleNamespace(knobs=types.SimpleNamespace(runtime=runtime)))
+    clock = timing.Clock()
+    clock.hook_triton()
+    started, release = threading.Barrier(3), threading.Event()
+
+    def compile_in_thread():
+        runtime.jit_cache_hook(key=threading.get_ident())
+        started.wait()
+        release.wait()
+        runtime.jit_post_compile_hook(key=threading.get_ident())
+
+    threads = [threading.Thread(target=compile_in_thread) for _ in range(2)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    started.wait()  # both compiles are running now
+    time.sleep(0.2)
+    release.set()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    assert clock.jit_n == 2, f"expected two compiles counted, got {clock.jit_n}"
+    assert 0.2 <= clock.jit_s <= wall, f"expected the compiles' common 0.2-{wall:.2f} s once, got {clock.jit_s:.3f} s"
+
+
 def test_a_malformed_switch_is_refused_with_its_name(monkeypatch):
     monkeypatch.setenv(timing.ENV, "on")
     with pytest.raises(pytest.UsageError, match=timing.ENV):

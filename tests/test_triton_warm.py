@@ -1,0 +1,51 @@
+"""Compiles ahead of launches (impls/triton_warm.py): once per key, all at once, errors left to the launch."""
+import threading
+
+import pytest
+
+from flashcheck.impls import triton_warm as warm
+
+pytestmark = pytest.mark.properties
+
+
+class _Kernel:
+    """Records its warmups; the first ``fail`` of them raise."""
+
+    def __init__(self, fail=0):
+        self.calls, self.fail, self.threads = [], fail, set()
+
+    def warmup(self, *args, grid, **kwargs):
+        self.threads.add(threading.get_ident())
+        self.calls.append((args, grid, kwargs))
+        if len(self.calls) <= self.fail:
+            raise RuntimeError("out of resources")
+
+
+@pytest.fixture(autouse=True)
+def _no_cuda_device(monkeypatch):
+    monkeypatch.setattr(warm.torch.cuda, "device", lambda device: threading.Lock())  # a context that does nothing
+
+
+def test_a_keys_launches_compile_once_with_the_launches_own_blocks_warps_and_stages():
+    a, b = _Kernel(), _Kernel()
+    launches = lambda: [(a, lambda bm, bn: (bm, 1, 1), [64, None, 4, 3], (1, 2), dict(X=1)),  # noqa: E731
+                        (b, lambda bm, bn: (bm, bn, 1), [32, 128, 8, 2], (3,), {})]
+    warm.wait(warm.ahead(("test-key", 1), launches, "cuda:0"))
+    assert warm.ahead(("test-key", 1), launches, "cuda:0") == [], "a key seen before must start nothing"
+    assert a.calls == [((1, 2), (64, 1, 1), dict(num_warps=4, num_stages=3, BLOCK_M=64, X=1))], a.calls
+    assert b.calls == [((3,), (32, 128, 1), dict(num_warps=8, num_stages=2, BLOCK_M=32, BLOCK_N=128))], b.calls
+
+
+def test_a_compile_that_fails_ahead_is_left_to_the_launch():
+    bad = _Kernel(fail=1)
+    futures = warm.ahead(("test-key", 2), lambda: [(bad, lambda bm, bn: (1,), [16, 16, 4, 1], (), {})], "cuda:0")
+    warm.wait(futures)  # does not raise
+    assert len(bad.calls) == 1 and futures[0].exception() is not None
+
+
+def test_compiles_run_in_threads_of_their_own():
+    kernels = [_Kernel() for _ in range(3)]
+    launches = lambda: [(k, lambda bm, bn: (1,), [16, 16, 4, 1], (), {}) for k in kernels]  # noqa: E731
+    warm.wait(warm.ahead(("test-key", 3), launches, "cuda:0"))
+    assert all(k.calls for k in kernels)
+    assert threading.get_ident() not in set().union(*(k.threads for k in kernels)), "compiled on the caller's thread"
