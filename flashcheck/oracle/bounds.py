@@ -480,9 +480,9 @@ def _map(fn, items):
     """[fn(x) for x in items], in threads where there are several chunks and cores. numpy's
     element-wise work and BLAS release the GIL, and a chunk's terms never read another's; BLAS runs
     one thread per chunk meanwhile (OpenBLAS called from two threads, each with threads of its own,
-    ran the terms 1.1x slower than one thread did; with one BLAS thread each, 1.6x faster on two cores:
-    scratch measurement, 251 gpu-profile cases). Sums over chunks are added by the caller in order, so
-    the terms do not depend on the thread count."""
+    ran the terms 1.1x slower than one thread did; with one BLAS thread each, 1.44x faster on two
+    cores: 251 cases captured from a gpu-profile run, docs/gpu-lane.md). Sums over chunks are added
+    by the caller in order, so the terms do not depend on the thread count."""
     items = list(items)
     if len(items) < 2 or threads() < 2:
         return [fn(x) for x in items]
@@ -551,6 +551,7 @@ def rounding_bounds(case, pt, dscores, half_spacing) -> Terms:
     def backward(kept):
         with np.errstate(over="ignore"):  # as the caller's, around the forward terms
             ds_all = dscores() if callable(dscores) else dscores
+
             def backward_chunk(i):
                 c, part, ds = _rows_of(case, pt, ds_all, chunks[i], vis)
                 s, o_terms = kept[i] if kept else forward(c, part)
