@@ -443,10 +443,12 @@ class Terms(Mapping):
 
 
 # Entries of B x Hq x rows x Sk per chunk of query rows (each of the dozens of arrays a chunk's terms
-# make is then 8 MB). On 2048 x 2048 logits, the whole problem at once made each a 64 MB temporary,
-# page-faulted in and streamed through memory: 2.3x the time of the chunked terms on a 2-core machine
-# (measured from O to dK; problems below one chunk are unchanged).
-CHUNK = 2 ** 20
+# make is then 2 MB). On 2048 x 2048 logits, the whole problem at once made each a 64 MB temporary,
+# page-faulted in and streamed through memory: 2.3x the time of chunks of 2^20 on a 2-core machine.
+# Smaller chunks stay in cache: 420 cases captured from a gpu-profile run (the terms of O to dV, from
+# the cached float64 parts) took 19.5, 16.5, 17.6 and 20.8 s at 2^20, 2^18, 2^17 and 2^16 entries on
+# one thread, 16.3, 11.2, 12.1 and 15.5 s on two (_map), the terms equal to 5e-15 relative.
+CHUNK = 2 ** 18
 
 
 class RowView:
