@@ -83,9 +83,8 @@ def parts(case: AttentionCase, rows: np.ndarray, inputs=None, naive: dict | None
     pt = rule._Parts(qg, kg, vg, dog, s, p, p @ vg, lse_g, sc, extra["psink"], extra["added"])
     dp = dog @ np.swapaxes(vg, -1, -2)
     dp_minus_d = dp - (dog * pt.o).sum(-1, keepdims=True)
-    with np.errstate(over="ignore"):
-        terms = bounds.rounding_bounds(bounds.RowView(case, vis), pt, (dp, dp_minus_d, p * dp_minus_d),
-                                       rule.half_spacing)
+    terms = bounds.rounding_bounds(bounds.RowView(case, vis), pt, (dp, dp_minus_d, p * dp_minus_d),
+                                   rule.half_spacing)  # in its own error state (bounds.quiet)
     truth = {"o": o, "lse": lse, "dq": dq}
     if len(rows) < case.sq:
         return truth, terms if case.precision != "naive" else {n: terms[n] + naive[n] for n in NAMES}
