@@ -62,6 +62,12 @@ BLOCKS = (16, 32, 64, 128)
 PRECISIONS = ("ieee", "tf32")
 WHO = "triton-fused"
 SOFTCAP_MIN = 1e-30
+# A band without a right edge runs as one whose edge lies NO_EDGE keys past the last key: every row sees
+# every key, the kernels skip no tile and mask only the last partial one, as they do without CAUSAL, and
+# the causal and non-causal calls of a shape share their compiled kernels (Triton compiles once per set
+# of constexprs: half the gpu lane's compiles). 256, the largest tile, keeps dK/dV's first masked query
+# tile at 0.
+NO_EDGE = 256
 
 try:  # the name moved between Triton releases
     from triton.runtime.errors import OutOfResources
@@ -193,7 +199,7 @@ def _last_dim_contiguous(x):
 class _Features:
     """One call's masking band and optional features, as the kernels take them (see triton_kernels)."""
 
-    causal: bool = False  # keys past i + off are hidden (a causal mask or a window's right edge)
+    causal: bool = False  # keys past i + off are hidden (a causal mask, a window's right edge, or NO_EDGE)
     off: int = 0
     left: bool = False  # keys before i + loff are hidden (a window's left edge)
     loff: int = 0
@@ -257,6 +263,8 @@ def _features(q, k, align, window=None, softcap=0.0, alibi_slopes=None, sinks=No
     # Caps below 1e-30 run as 1e-30 so the kernels' float32 constants stay normal: the capped logits
     # are within 1e-30 of 0 either way, far below any rounding of the softmax.
     cap = max(float(softcap), SOFTCAP_MIN) if softcap > 0 else 0.0
+    if not causal:  # no right edge: one past every key, so that one compiled kernel serves every band
+        causal, off = True, sk + NO_EDGE
     return _Features(causal, off, left, loff, sk - sq if slopes is not None else 0, cap, slopes, sinks)
 
 

@@ -6,6 +6,13 @@ kernels in turn (preprocess, dK/dV, dQ), so a new shape used to compile them one
 each after the forward's own compile. Most of a compile is spent in MLIR, LLVM and ptxas, which
 release the GIL: compiled in threads, they overlap each other and the forward's.
 
+Triton parses a kernel's source (``ast.parse``) on every compile. Before Python 3.13 the AST
+constructor keeps its recursion depth per interpreter, not per call, so two threads inside it at once
+(a garbage collection running a finalizer is enough to switch threads there) can raise
+"SystemError: AST constructor recursion depth mismatch" from a correct kernel's launch: once compiles
+run in threads, Triton's parse takes a lock (``serialize_parse``), and without one to lock nothing
+is compiled ahead.
+
 ``ahead(key, launches, device)`` starts the compiles of a call's launches (a function giving them as
 (kernel, grid, [BLOCK_M, BLOCK_N, warps, stages], args, keyword arguments)), once per key, and returns
 their futures; ``wait(futures)``
@@ -23,6 +30,27 @@ THREADS = 3  # the backward's three kernels
 _POOL: list = []
 _SEEN: set = set()
 _LOCK = threading.Lock()
+PARSE_LOCK = threading.Lock()
+
+
+def serialize_parse() -> bool:
+    """Make Triton's JITFunction.parse take PARSE_LOCK (once per process); False where this Triton has
+    no such method to wrap."""
+    from triton.runtime.jit import JITFunction
+
+    parse = getattr(JITFunction, "parse", None)
+    if parse is None:
+        return False
+    if getattr(parse, "serialized", False):
+        return True
+
+    def locked(self):
+        with PARSE_LOCK:
+            return parse(self)
+
+    locked.serialized = True
+    JITFunction.parse = locked
+    return True
 
 
 def blocks(cfg) -> dict:
@@ -44,6 +72,8 @@ def ahead(key, launches, device) -> list:
             return []
         _SEEN.add(key)
         if not _POOL:
+            if not serialize_parse():
+                return []  # compiled at the launches, one at a time
             _POOL.append(concurrent.futures.ThreadPoolExecutor(THREADS, thread_name_prefix="triton-compile"))
     return [_POOL[0].submit(_compile, device, kernel, grid_fn, list(cfg), args, kwargs)
             for kernel, grid_fn, cfg, args, kwargs in launches()]

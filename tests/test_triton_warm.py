@@ -49,3 +49,25 @@ def test_compiles_run_in_threads_of_their_own():
     warm.wait(warm.ahead(("test-key", 3), launches, "cuda:0"))
     assert all(k.calls for k in kernels)
     assert threading.get_ident() not in set().union(*(k.threads for k in kernels)), "compiled on the caller's thread"
+
+
+def _a_kernel(x):
+    return x + 1
+
+
+def test_tritons_parse_takes_a_lock_once_compiles_run_in_threads():
+    """Python < 3.13 raises SystemError when two threads construct an AST at once: Triton parses a
+    kernel's source on every compile, so the threads must take turns there."""
+    triton_jit = pytest.importorskip("triton.runtime.jit")
+    kernel = triton_jit.JITFunction(_a_kernel)  # not triton.jit: under TRITON_INTERPRET=1 that parses nothing
+    warm.wait(warm.ahead(("test-key", 4), lambda: [(_Kernel(), lambda bm, bn: (1,), [16, 16, 4, 1], (), {})],
+                         "cuda:0"))
+    assert getattr(triton_jit.JITFunction.parse, "serialized", False), "JITFunction.parse is not wrapped"
+    done = threading.Event()
+    with warm.PARSE_LOCK:
+        t = threading.Thread(target=lambda: (kernel.parse(), done.set()))
+        t.start()
+        assert not done.wait(0.3), "a thread parsed a kernel while another held the parse lock"
+    t.join(10)
+    assert done.is_set(), "the parse did not finish once the lock was free"
+    assert warm.serialize_parse() and triton_jit.JITFunction.parse.serialized, "wrapped twice, or unwrapped"

@@ -1,0 +1,48 @@
+"""impls/triton_fused.py: a call without a right edge runs the causal kernels with the edge past every
+key (one compiled kernel per shape for every band), and still computes full attention."""
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+from flashcheck.impls import triton_fused as tf  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not tf.INTERPRET, reason="needs TRITON_INTERPRET=1 set before triton is imported")
+
+
+def _dense(q, k, v, left=None):
+    """float64 attention over the keys the band shows (only a left edge, or none)."""
+    q, k, v = (x.double() for x in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    sq, sk = s.shape[-2:]
+    if left is not None:
+        i, j = torch.arange(sq)[:, None], torch.arange(sk)[None, :]
+        s = s.masked_fill(j < i + sk - sq - left, -math.inf)
+    return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
+
+
+def test_a_band_without_a_right_edge_runs_as_the_causal_kernels_with_the_edge_past_every_key():
+    q, k = torch.zeros(1, 2, 5, 8), torch.zeros(1, 1, 40, 8)
+    for window in (None, (3, -1), (3, 100)):
+        feats = tf._features(q, k, None, window=window)
+        assert feats.causal and feats.off >= 40 + 256, f"window={window}: CAUSAL={feats.causal}, OFF={feats.off}"
+        assert feats.kernel_args(q)["CAUSAL"] is True
+
+
+@pytest.mark.parametrize("left", [None, 5])
+def test_a_band_without_a_right_edge_gives_full_attention_forward_and_backward(left):
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 33, 16, requires_grad=True)  # GQA, several tiles each way, partial last tiles
+    k, v = torch.randn(2, 2, 47, 16, requires_grad=True), torch.randn(2, 2, 47, 16, requires_grad=True)
+    o, lse = tf.flash_attention(q, k, v, window=None if left is None else (left, -1), block_q=16, block_k=32)
+    want_o, want_lse = _dense(q, k, v, left)
+    do = torch.randn_like(o)
+    got = (o, lse, *torch.autograd.grad(o, (q, k, v), do))
+    want = (want_o, want_lse, *torch.autograd.grad(want_o, (q, k, v), do.double()))
+    for name, a, b in zip(("O", "LSE", "dQ", "dK", "dV"), got, want):
+        err = (a.double() - b).abs().max().item()
+        assert err < 1e-5, f"{name}: largest error {err:.3g} against float64 attention, expected < 1e-5"
