@@ -62,13 +62,6 @@ BLOCKS = (16, 32, 64, 128)
 PRECISIONS = ("ieee", "tf32")
 WHO = "triton-fused"
 SOFTCAP_MIN = 1e-30
-# A forward without a right edge runs as one whose edge lies NO_EDGE keys past the last key: every row
-# sees every key, the kernel skips no tile and masks only the last partial one, as it does without
-# CAUSAL, and a shape's causal and non-causal forwards share one compile (Triton compiles once per set of
-# constexprs; the gpu lane's first properties compile little else). The backward keeps CAUSAL to the real
-# band: folded, dK/dV and dQ ran 5-15% slower on the H100 (bf16 and fp16, D = 64 and 128, N = 1024 to
-# 16384), the forward 0-7%.
-NO_EDGE = 256
 
 try:  # the name moved between Triton releases
     from triton.runtime.errors import OutOfResources
@@ -200,7 +193,7 @@ def _last_dim_contiguous(x):
 class _Features:
     """One call's masking band and optional features, as the kernels take them (see triton_kernels)."""
 
-    causal: bool = False  # keys past i + off are hidden (a causal mask, a window's right edge, or NO_EDGE)
+    causal: bool = False  # keys past i + off are hidden (a causal mask or a window's right edge)
     off: int = 0
     left: bool = False  # keys before i + loff are hidden (a window's left edge)
     loff: int = 0
@@ -208,17 +201,14 @@ class _Features:
     softcap: float = 0.0
     slopes: torch.Tensor | None = None
     sinks: torch.Tensor | None = None
-    no_edge: bool = False  # causal and off only stand in for a band without a right edge (NO_EDGE)
 
-    def kernel_args(self, dummy, backward=False):
-        """Keyword arguments of the forward's kernel, or the backward's; ``dummy`` (a float32 tensor)
-        fills unused pointers."""
+    def kernel_args(self, dummy, with_sinks=True):
+        """Keyword arguments of the kernels; ``dummy`` (a float32 tensor) fills unused pointers."""
         args = dict(LOFF=self.loff, DIAG=self.diag, cap2=self.softcap * K.LOG2E_F,
                     SLOPES=dummy if self.slopes is None else self.slopes,
                     ssb=0 if self.slopes is None or self.slopes.ndim == 1 else self.slopes.stride(0),
-                    CAUSAL=self.causal and not (backward and self.no_edge), LEFT=self.left,
-                    SOFTCAP=self.softcap > 0, ALIBI=self.slopes is not None)
-        if not backward:
+                    CAUSAL=self.causal, LEFT=self.left, SOFTCAP=self.softcap > 0, ALIBI=self.slopes is not None)
+        if with_sinks:
             args.update(SINKS=dummy if self.sinks is None else self.sinks, HAS_SINKS=self.sinks is not None)
         return args
 
@@ -267,10 +257,7 @@ def _features(q, k, align, window=None, softcap=0.0, alibi_slopes=None, sinks=No
     # Caps below 1e-30 run as 1e-30 so the kernels' float32 constants stay normal: the capped logits
     # are within 1e-30 of 0 either way, far below any rounding of the softmax.
     cap = max(float(softcap), SOFTCAP_MIN) if softcap > 0 else 0.0
-    no_edge = not causal
-    if no_edge:  # the forward's right edge past every key (NO_EDGE)
-        causal, off = True, sk + NO_EDGE
-    return _Features(causal, off, left, loff, sk - sq if slopes is not None else 0, cap, slopes, sinks, no_edge)
+    return _Features(causal, off, left, loff, sk - sq if slopes is not None else 0, cap, slopes, sinks)
 
 
 def _sink_grad(sinks, lse, delta):
@@ -306,7 +293,7 @@ def _bwd_launches(do, q, k, v, o, lse, delta, dq, dk, dvv, scale, precision, cfg
     hkv, sk, dv = k.shape[1], k.shape[2], v.shape[3]
     dpad, dvpad = _pad(d), _pad(dv)
     pre = [16 if INTERPRET else 64, None, 4, 3]  # Triton's default warps and stages
-    common = dict(**feats.kernel_args(lse, backward=True), D_PAD=dpad, DV_PAD=dvpad, PAD_D=dpad != d,
+    common = dict(**feats.kernel_args(lse, with_sinks=False), D_PAD=dpad, DV_PAD=dvpad, PAD_D=dpad != d,
                   PAD_DV=dvpad != dv, DOT_PREC=precision)
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2))
@@ -324,8 +311,8 @@ def _bwd_launches(do, q, k, v, o, lse, delta, dq, dk, dvv, scale, precision, cfg
 
 def _bwd_key(q, k, v, o, precision, cfg: _Cfg, kernels, feats: _Features):
     """What the backward's compiles depend on (more finely than Triton's own keys: exact shapes)."""
-    return (id(kernels), q.device, precision, tuple(cfg.dkdv), tuple(cfg.dq), feats.causal, feats.no_edge,
-            feats.left, feats.softcap > 0, None if feats.slopes is None else feats.slopes.ndim,
+    return (id(kernels), q.device, precision, tuple(cfg.dkdv), tuple(cfg.dq), feats.causal, feats.left,
+            feats.softcap > 0, None if feats.slopes is None else feats.slopes.ndim,
             *((x.dtype, x.data_ptr() % 16, tuple(x.shape), x.stride()) for x in (q, k, v, o)))
 
 

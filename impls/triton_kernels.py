@@ -6,10 +6,7 @@ query head h reads key/value head h // G with G = Hq // Hkv.
 Visibility is a band: query i sees key j iff j <= i + OFF when CAUSAL and j >= i + LOFF when LEFT.
 OFF is the tighter of the causal diagonal (Sk - Sq bottom-right, 0 top-left) and a window's right
 edge (Sk - Sq + right); LOFF is a window's left edge (Sk - Sq - left). Whole key tiles outside the
-band are skipped, tiles inside it run without masks, only the tiles it cuts are masked. The dense
-wrapper (triton_fused.py) always sets the forward's CAUSAL, with OFF past every key when the band has
-no right edge: the same tiles then run masked and unmasked as with CAUSAL off, and one compile serves
-both.
+band are skipped, tiles inside it run without masks, only the tiles it cuts are masked.
 
 Optional features, each a constexpr flag so that the plain kernel compiles exactly as without them:
 - SOFTCAP: the scaled logit s becomes c * tanh(s / c) (cap2 = c * log2(e));

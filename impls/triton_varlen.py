@@ -95,7 +95,7 @@ def _backward(do, q, k, v, o, lse, cu, grid_q, grid_k, scale, precision, cfg, fe
     kernels.attn_bwd_preprocess[(triton.cdiv(tq, pre_bm), hq)](
         o, do, delta, 0, o.stride(1), o.stride(0), 0, do.stride(1), do.stride(0),
         hq, tq, dv, BLOCK_M=pre_bm, DV_PAD=dvpad, PAD_DV=dvpad != dv)
-    common = dict(**feats.kernel_args(lse, backward=True), D_PAD=dpad, DV_PAD=dvpad, PAD_D=dpad != d,
+    common = dict(**feats.kernel_args(lse, with_sinks=False), D_PAD=dpad, DV_PAD=dvpad, PAD_D=dpad != d,
                   PAD_DV=dvpad != dv, DOT_PREC=precision, CU_Q=cu[0], CU_K=cu[1], TOP=top, IS_VARLEN=True)
     tf._launch(kernels.attn_bwd_dkdv, lambda bm, bn: (triton.cdiv(grid_k, bn), hkv, n), cfg.dkdv,
                q, k, v, do, lse, delta, dk, dvv,
