@@ -53,8 +53,8 @@ def _avx512() -> bool:
 @pytest.mark.skipif(not _avx512(), reason="OpenBLAS's AVX-512 kernels need a CPU with AVX-512")
 def test_an_infinite_term_in_avx512_blas_raises_no_warning():
     env = dict(os.environ, OPENBLAS_CORETYPE="SkylakeX", OPENBLAS_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, "-c", SCRIPT.replace("CASE", repr(LANE))], env=env, capture_output=True, check=False,
-                         text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", SCRIPT.replace("CASE", repr(LANE))], env=env, capture_output=True,
+                         check=False, text=True, timeout=300)
     if out.stdout.startswith("clean"):
         pytest.skip("this OpenBLAS's SkylakeX kernels no longer flag an infinite operand: nothing to reproduce")
     assert out.returncode == 0 and out.stdout.split() == ["flagged", "no", "warning"], (
