@@ -202,7 +202,7 @@ def test_a_key_range_is_cut_at_few_points_in_a_bucketed_run(monkeypatch):
     assert buckets.key_chunks(192, [0, 1], by64) == [(0, 64), (64, 128), (128, 192)]
 
 
-def _warmed_kernel(calls, fail=False, **declared):
+def _warmed_kernel(calls, fail=False, dtypes=("float16", "float32"), **declared):
     from flashcheck import implementation
     from flashcheck.contract.memory import MEMORY
 
@@ -211,7 +211,7 @@ def _warmed_kernel(calls, fail=False, **declared):
             raise RuntimeError("no compiler here")
         calls.append((q, k, v, kwargs))
 
-    @implementation(name="warmed", register=False, causal=("bottom_right", "top_left"), dtypes=("float16", "float32"),
+    @implementation(name="warmed", register=False, causal=("bottom_right", "top_left"), dtypes=dtypes,
                     backward=True, blocks="any", layouts=tuple(MEMORY), warm=warm, **declared)
     def attention(q, k, v, *, causal=False, scale=None, block_q=None, block_k=None):
         return q
@@ -278,3 +278,29 @@ def test_processes_that_share_a_cache_start_warming_at_different_shapes(on, monk
         warmup.once(_warmed_kernel(calls), on, lambda s: buckets.layout(s, on))
         firsts.add((calls[0][0].shape, calls[0][0].dtype, calls[0][3]["causal"]))
     assert len(firsts) == 3, f"expected three workers to start at three calls, got {firsts}"
+
+
+def test_each_shape_takes_one_dtype_per_run_and_every_shape_meets_every_dtype_over_three_seeds(on, monkeypatch):
+    three, halves = ("float16", "bfloat16", "float32"), ("float16", "bfloat16")
+    impl = _warmed_kernel([], dtypes=three)
+    monkeypatch.setattr(context, "current", lambda: context.Test(impl=impl))
+    met = {s: set() for s in on}
+    for run_seed in ("7", "8", "9"):
+        monkeypatch.setenv(buckets.SEED_ENV, run_seed)
+        got = {s: buckets.dtype_of(s, on, three) for s in on}
+        assert set(got.values()) == set(three), f"expected every dtype to meet some shape, got {got}"
+        for s in on:  # a property that allows fewer takes the shape's own where it can
+            want = got[s] if got[s] in halves else halves[0]
+            assert buckets.dtype_of(s, on, halves) == want, f"{s}: expected {want} among {halves}"
+            met[s].add(got[s])
+    assert all(d == set(three) for d in met.values()), f"expected every shape to meet every dtype, got {met}"
+    monkeypatch.setenv(buckets.SEED_ENV, "7")
+
+    @SAMPLE
+    @given(fs.cases(dtypes=three))
+    def drawn(case):
+        shape, long = _shape_of(case), buckets.run_long_shapes()  # the long region: half precision only
+        want = buckets.dtype_of(shape, on, three) if shape in on else buckets.dtype_of(shape, long, halves)
+        assert case.dtype == want, f"expected the shape's dtype {want}, drew {case!r}"
+
+    drawn()

@@ -24,6 +24,7 @@ import numpy as np
 
 from flashcheck.contract import call, memory
 
+ENV = "FLASHCHECK_WARM"  # 0: hand nothing over (a kernel then compiles at its calls)
 _WARMED: set = set()
 
 
@@ -59,7 +60,7 @@ def once(impl, shapes, layout_of) -> int:
     """Hand ``impl.warm`` the calls of ``shapes``, the first time this process meets them; the number of
     calls handed over (0 when it declares no ``warm``, runs no dense torch call, or has them already)."""
     key = (getattr(impl, "name", None), id(impl), shapes)
-    if getattr(impl, "warm", None) is None or key in _WARMED or impl.framework != "torch" or impl.varlen or impl.kvcache:
+    if os.environ.get(ENV) == "0" or getattr(impl, "warm", None) is None or key in _WARMED or impl.framework != "torch" or impl.varlen or impl.kvcache:
         return 0
     _WARMED.add(key)
     device = call.device_for(impl)
