@@ -8,8 +8,8 @@ new length. Drawn freely, nearly every example of the gpu lane meets a new shape
 seconds of compiling for milliseconds of kernel. Here the shape of a case (batch, heads,
 lengths, head dims and block sizes, as one tuple) comes instead from a set of about a dozen
 shapes chosen once per run and shared by every property, so each compiled kernel serves
-many examples. Each shape also comes with its memory layout and one dtype per run (both are
-compile-time values as well; other runs pair them otherwise). The values, seeds, scales, regimes,
+many examples. Each shape also comes with its memory layout and, mostly, one dtype per run (both
+are compile-time values as well; other runs pair them otherwise). The values, seeds, scales, regimes,
 causal flags and features of a case are drawn as freely as ever.
 
 The set always holds the boundary shapes (one query and one key, lengths one either side of
@@ -45,7 +45,7 @@ SEED_ENV = "FLASHCHECK_BUCKET_SEED"
 # Drawn per run, on top of the boundary shapes. Every shape is one more compile per kernel, dtype
 # and set of flags: a dozen in all keeps most examples on kernels already built.
 RANDOM_SHAPES = 5
-RUN_DTYPES = ("float16", "bfloat16", "float32", "float64")  # the order the shapes take a kernel's in (dtype_of)
+RUN_DTYPES = ("float16", "bfloat16", "float32", "float64")  # the order the shapes take a kernel's in (dtypes_of)
 LONG_SHAPES = 4  # shapes of the long region (one half-precision draw in eight)
 TILES = (16, 32, 64, 128)  # block sizes real kernels use: lengths one either side of them
 
@@ -298,30 +298,34 @@ def layout(shape: Shape, candidates: tuple[Shape, ...]) -> str:
     return kinds[candidates.index(shape) % len(kinds)] if shape in candidates else "contiguous"
 
 
-def dtype_of(shape: Shape, candidates: tuple[Shape, ...], dtypes) -> str | None:
-    """The dtype a shape's cases take in this run, among ``dtypes`` (a property's); None for a shape
-    outside the set (any of them). The dtype is a compile-time value too: each one is another build
-    of every kernel, and the run's first properties otherwise compile each shape three times over
-    (and an autotuned kernel tunes it three times). So each shape takes one: the shapes take the
-    dtypes in turn from a point the seed moves, and a property that allows fewer takes the shape's
-    next one it allows. Every dtype meets a third of the shapes in a run; over three seeds every
-    shape meets every dtype."""
+def _side(shape: Shape) -> int:
+    """Which of the lengths' relations (Sq < Sk, Sq == Sk, Sq > Sk) a shape is in."""
+    return (shape.sq > shape.sk) - (shape.sq < shape.sk)
+
+
+def dtypes_of(shape: Shape, candidates: tuple[Shape, ...], dtypes) -> tuple[str, ...]:
+    """The dtypes a shape's cases take in this run, among ``dtypes`` (a property's). The dtype is a
+    compile-time value too: each is another build of every kernel, and the run's first properties
+    otherwise compile each shape three times over (an autotuned kernel tunes it three times). So
+    a shape takes one, or as many as it takes for the shapes of its relation between the lengths
+    (the properties of masked rows draw only Sq > Sk) to meet every dtype the kernel declares: the
+    shapes of a relation take the dtypes in turn, from a point the seed moves, and over as many
+    seeds as dtypes every shape meets every one. A property that allows fewer takes the shape's
+    own where it can, else the next in turn. A shape outside the set takes any of ``dtypes``."""
     declared = getattr(context.current().impl, "dtypes", None) or RUN_DTYPES
-    every = tuple(d for d in RUN_DTYPES if d in declared)  # the kernel's: a third each, for three
-    if shape not in candidates or len(dtypes) < 2 or len(every) < 2:
-        return None
-    turn = (candidates.index(shape) + seed()) % len(every)
-    return next((d for d in every[turn:] + every[:turn] if d in dtypes), None)
+    every = tuple(d for d in RUN_DTYPES if d in declared)
+    if shape not in candidates or len(every) < 2:
+        return tuple(dtypes)
+    kin = [s for s in candidates if _side(s) == _side(shape)]
+    per = -(-len(every) // len(kin))
+    turn = kin.index(shape) * per + seed()
+    order = [every[(turn + j) % len(every)] for j in range(len(every))]
+    return tuple(d for d in order[:per] if d in dtypes) or tuple(d for d in order if d in dtypes)[:1] or tuple(dtypes)
 
 
 def tilings():
     """A tiling among those of the run's shapes."""
     return st.deferred(lambda: st.sampled_from(tiling_values(run_shapes())))
-
-
-def _dtypes(shape, candidates, dtypes) -> tuple:
-    one = dtype_of(shape, candidates, dtypes)
-    return tuple(dtypes) if one is None else (one,)
 
 
 def _causal(draw, causal):
@@ -344,7 +348,7 @@ def cases(draw, dtypes, causal=None, regimes=None, masked_rows=False, masked_key
     shape = draw(shape_strategy(candidates, relation), label="shape bucket")
     align = "bottom_right" if masked_rows else "top_left" if masked_keys else _causal(draw, causal)
     scale = draw(st.one_of(st.sampled_from(SCALES), st.floats(0.01, 4.0)), label="scale")
-    dtype = draw(st.sampled_from(_dtypes(shape, candidates, dtypes)), label="dtype")
+    dtype = draw(st.sampled_from(dtypes_of(shape, candidates, dtypes)), label="dtype")
     regime = draw(st.sampled_from(regimes), label="regime")
     seed_ = draw(st.integers(0, 2**32 - 1), label="seed")
     f = shape.fields
@@ -363,7 +367,7 @@ def long_cases(draw, dtypes, causal=None, regimes=None):
     shape = draw(shape_strategy(candidates), label="long shape bucket")
     return AttentionCase(**shape.fields, causal=_causal(draw, causal), memory=layout(shape, candidates),
                          scale=draw(st.sampled_from(SCALES), label="scale"),
-                         dtype=draw(st.sampled_from(_dtypes(shape, candidates, dtypes)), label="dtype"),
+                         dtype=draw(st.sampled_from(dtypes_of(shape, candidates, dtypes)), label="dtype"),
                          regime=draw(st.sampled_from(regimes), label="regime"),
                          seed=draw(st.integers(0, 2**32 - 1), label="seed"))
 
