@@ -231,6 +231,7 @@ def test_a_kernel_that_declares_warm_is_handed_every_shape_of_the_run_once_befor
     impl = _warmed_kernel(calls, known_issues=(seven,))
     monkeypatch.setattr(context, "current", lambda: context.Test(impl=impl))
     monkeypatch.setattr(warmup, "_WARMED", set())
+    monkeypatch.setenv(warmup.ENV, "1")
 
     @SAMPLE
     @given(fs.cases())
@@ -263,6 +264,7 @@ def test_a_warm_that_raises_warns_and_the_run_goes_on(on, monkeypatch):
 
     impl = _warmed_kernel([], fail=True)
     monkeypatch.setattr(warmup, "_WARMED", set())
+    monkeypatch.setenv(warmup.ENV, "1")
     with pytest.warns(RuntimeWarning, match="warmed: warm\\(\\) raised RuntimeError: no compiler here"):
         warmup.once(impl, on, lambda s: buckets.layout(s, on))
 
@@ -271,6 +273,7 @@ def test_processes_that_share_a_cache_start_warming_at_different_shapes(on, monk
     from flashcheck.contract import warmup
 
     firsts = set()
+    monkeypatch.setenv(warmup.ENV, "1")
     for worker in ("gw0", "gw1", "gw2"):
         calls = []
         monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
@@ -313,3 +316,13 @@ def test_each_relation_between_the_lengths_meets_every_dtype_in_a_run_and_most_s
         assert case.dtype in want, f"expected one of the shape's dtypes {want}, drew {case!r}"
 
     drawn()
+
+
+def test_warm_is_called_only_when_asked_for(on, monkeypatch):
+    from flashcheck.contract import warmup
+
+    calls = []
+    monkeypatch.setattr(warmup, "_WARMED", set())
+    monkeypatch.delenv(warmup.ENV, raising=False)
+    assert warmup.once(_warmed_kernel(calls), on, lambda s: buckets.layout(s, on)) == 0 and not calls, \
+        f"expected no warm() call without {warmup.ENV}=1, got {len(calls)}"

@@ -14,6 +14,11 @@ again (impls/triton_warm.py does both for triton-fused).
 
 Processes that share a compile cache (xdist's workers, the bench's halves) start at different
 points of the list, so that they compile different kernels first and find the others on disk.
+
+Off unless FLASHCHECK_WARM=1. Compiling ahead pays where cores are idle; it compiles kernels no
+example will ask for, and in the gpu lane (eight workers on sixteen cores, each running the oracle
+in two threads) the cores are not idle: on a model of the lane's compiles with two cores per
+process it made triton-fused's half of the properties 1.6x slower (docs/gpu-lane.md).
 """
 from __future__ import annotations
 
@@ -24,7 +29,7 @@ import numpy as np
 
 from flashcheck.contract import call, memory
 
-ENV = "FLASHCHECK_WARM"  # 0: hand nothing over (a kernel then compiles at its calls)
+ENV = "FLASHCHECK_WARM"  # 1: hand the calls over; off by default (below)
 _WARMED: set = set()
 
 
@@ -60,7 +65,7 @@ def once(impl, shapes, layout_of) -> int:
     """Hand ``impl.warm`` the calls of ``shapes``, the first time this process meets them; the number of
     calls handed over (0 when it declares no ``warm``, runs no dense torch call, or has them already)."""
     key = (getattr(impl, "name", None), id(impl), shapes)
-    if os.environ.get(ENV) == "0" or getattr(impl, "warm", None) is None or key in _WARMED or impl.framework != "torch" or impl.varlen or impl.kvcache:
+    if os.environ.get(ENV) != "1" or getattr(impl, "warm", None) is None or key in _WARMED or impl.framework != "torch" or impl.varlen or impl.kvcache:
         return 0
     _WARMED.add(key)
     device = call.device_for(impl)
