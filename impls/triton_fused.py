@@ -267,39 +267,23 @@ def _sink_grad(sinks, lse, delta):
     return -(p * delta).sum(dim=(0, 2))
 
 
-def _fwd_launch(q, k, v, o, lse, scale, precision, cfg: _Cfg, kernels, feats: _Features):
-    """The forward's launch, as (kernel, grid_fn, cfg, args, keyword arguments)."""
+def _forward(q, k, v, align, scale, precision, cfg: _Cfg, kernels=K, out=None, feats: _Features | None = None):
+    """out=(o, lse) writes into given buffers (the reliability tests pass NaN-filled ones)."""
     b, hq, sq, d = q.shape
     hkv, sk, dv = k.shape[1], k.shape[2], v.shape[3]
     dpad, dvpad = _pad(d), _pad(dv)
-    return (kernels.attn_fwd, lambda bm, bn: (triton.cdiv(sq, bm), hq, b), cfg.fwd,
-            (q, k, v, o, lse,
-             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-             v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
-             hq, hq // hkv, sq, sk, d, dv, feats.off, scale * K.LOG2E_F),
-            dict(**feats.kernel_args(lse), D_PAD=dpad, DV_PAD=dvpad, PAD_D=dpad != d, PAD_DV=dvpad != dv,
-                 DOT_PREC=precision))
-
-
-def _fwd_key(q, k, v, o, precision, cfg: _Cfg, kernels, feats: _Features):
-    """What the forward's compile depends on (more finely than Triton's own keys: exact shapes)."""
-    return ("fwd", id(kernels), q.device, precision, tuple(cfg.fwd), feats.causal, feats.left, feats.softcap > 0,
-            None if feats.slopes is None else feats.slopes.ndim, feats.sinks is not None,
-            *((x.dtype, x.data_ptr() % 16, tuple(x.shape), x.stride()) for x in (q, k, v, o)))
-
-
-def _forward(q, k, v, align, scale, precision, cfg: _Cfg, kernels=K, out=None, feats: _Features | None = None):
-    """out=(o, lse) writes into given buffers (the reliability tests pass NaN-filled ones)."""
     if out is None:
-        o = torch.empty((*q.shape[:3], v.shape[3]), device=q.device, dtype=q.dtype)
-        lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
+        o = torch.empty((b, hq, sq, dv), device=q.device, dtype=q.dtype)
+        lse = torch.empty((b, hq, sq), device=q.device, dtype=torch.float32)
     else:
         o, lse = out
     feats = feats or _features(q, k, align)
-    if not INTERPRET:  # a compile the suite's warm() queued for this call: to the front, and waited for
-        warm.wait(warm.claim(_fwd_key(q, k, v, o, precision, cfg, kernels, feats)))
-    kernel, grid_fn, c, args, kwargs = _fwd_launch(q, k, v, o, lse, scale, precision, cfg, kernels, feats)
-    _launch(kernel, grid_fn, c, *args, **kwargs)
+    _launch(kernels.attn_fwd, lambda bm, bn: (triton.cdiv(sq, bm), hq, b), cfg.fwd,
+            q, k, v, o, lse,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
+            hq, hq // hkv, sq, sk, d, dv, feats.off, scale * K.LOG2E_F, **feats.kernel_args(lse),
+            D_PAD=dpad, DV_PAD=dvpad, PAD_D=dpad != d, PAD_DV=dvpad != dv, DOT_PREC=precision)
     return o, lse
 
 
@@ -332,8 +316,7 @@ def _bwd_key(q, k, v, o, precision, cfg: _Cfg, kernels, feats: _Features):
             *((x.dtype, x.data_ptr() % 16, tuple(x.shape), x.stride()) for x in (q, k, v, o)))
 
 
-def _compile_backward_ahead(q, k, v, o, lse, scale, precision, cfg: _Cfg, kernels, feats: _Features,
-                            background=False) -> list:
+def _compile_backward_ahead(q, k, v, o, lse, scale, precision, cfg: _Cfg, kernels, feats: _Features) -> list:
     """Start the backward's compiles while the forward runs (triton_warm), for a dO laid out as O is."""
     if INTERPRET:
         return []
@@ -342,9 +325,7 @@ def _compile_backward_ahead(q, k, v, o, lse, scale, precision, cfg: _Cfg, kernel
         like = [torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v)]
         return _bwd_launches(o, q, k, v, o, lse, torch.empty_like(lse), *like, scale, precision, cfg, kernels, feats)
 
-    key = _bwd_key(q, k, v, o, precision, cfg, kernels, feats)
-    futures = warm.ahead(key, launches, q.device, background=background)
-    return futures if background else warm.claim(key)  # queued by warm() before this call: to the front
+    return warm.ahead(_bwd_key(q, k, v, o, precision, cfg, kernels, feats), launches, q.device)
 
 
 def _backward(do, q, k, v, o, lse, align, scale, precision, cfg: _Cfg, kernels=K, out=None,
@@ -391,8 +372,11 @@ class _FlashAttention(torch.autograd.Function):
         return dq, dk, dv, dsinks, None, None, None, None, None, None, None
 
 
-def _prepare(q, k, v, causal, scale, window, softcap, alibi_slopes, sinks, block_q, block_k, precision, configs):
-    """A call's arguments checked, and what its launches take: (q, k, v, align, scale, cfg, feats)."""
+def flash_attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, alibi_slopes=None,
+                    sinks=None, block_q=None, block_k=None, precision="ieee", configs=None, kernels=K):
+    """The full entry point. ``configs`` overrides launch parameters per kernel, e.g.
+    ``{"fwd": (128, 64, 8, 3)}`` as (BLOCK_M, BLOCK_N, num_warps, num_stages) (used by the benchmark);
+    ``kernels`` is the module the Triton kernels come from (a mutant's build)."""
     b, hq, hkv, sq, sk, d, dv = check_inputs(q, k, v, dtypes=DTYPES, who=WHO)
     if INTERPRET and "bfloat16" in (dtype_name(q),):  # pragma: no cover  (check_inputs already refuses)
         raise TypeError(f"{WHO}: the Triton interpreter computes bfloat16 wrongly; not supported there")
@@ -412,35 +396,8 @@ def _prepare(q, k, v, causal, scale, window, softcap, alibi_slopes, sinks, block
         cfg = _fit(cfg, q.element_size(), _pad(d), _pad(dv))
     feats = _features(q, k, align, window, softcap, alibi_slopes, sinks)
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
-    return q, k, v, align, scale, cfg, feats
-
-
-def flash_attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, alibi_slopes=None,
-                    sinks=None, block_q=None, block_k=None, precision="ieee", configs=None, kernels=K):
-    """The full entry point. ``configs`` overrides launch parameters per kernel, e.g.
-    ``{"fwd": (128, 64, 8, 3)}`` as (BLOCK_M, BLOCK_N, num_warps, num_stages) (used by the benchmark);
-    ``kernels`` is the module the Triton kernels come from (a mutant's build)."""
-    q, k, v, align, scale, cfg, feats = _prepare(q, k, v, causal, scale, window, softcap, alibi_slopes, sinks,
-                                                 block_q, block_k, precision, configs)
     grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, feats.sinks) if x is not None)
     return _FlashAttention.apply(q, k, v, feats.sinks, align, scale, precision, cfg, kernels, feats, grad)
-
-
-def compile_ahead(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, alibi_slopes=None, sinks=None,
-                  block_q=None, block_k=None, precision="ieee", configs=None, kernels=K) -> None:
-    """Queue the compiles of what a call with these arguments launches (its backward too, where an input
-    requires grad), in background threads, and return at once; nothing runs on the device. The suite's
-    ``warm=`` hook calls it with the shapes of the run's buckets before their examples come."""
-    if INTERPRET:
-        return
-    q, k, v, align, scale, cfg, feats = _prepare(q, k, v, causal, scale, window, softcap, alibi_slopes, sinks,
-                                                 block_q, block_k, precision, configs)
-    o = torch.empty((*q.shape[:3], v.shape[3]), device=q.device, dtype=q.dtype)  # as the forward allocates them
-    lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
-    warm.ahead(_fwd_key(q, k, v, o, precision, cfg, kernels, feats),
-               lambda: [_fwd_launch(q, k, v, o, lse, scale, precision, cfg, kernels, feats)], q.device, background=True)
-    if any(x.requires_grad for x in (q, k, v)):
-        _compile_backward_ahead(q, k, v, o, lse, scale, precision, cfg, kernels, feats, background=True)
 
 
 # What triton-fused declares; its mutants (mutants/triton.py) declare the same.
@@ -454,7 +411,7 @@ DECLARED = dict(causal=("bottom_right", "top_left"), dtypes=DTYPES, devices=("cp
                 tags=("interpreter", "slow") if INTERPRET else ())
 
 
-@implementation(name="triton-fused", warm=compile_ahead, **DECLARED)
+@implementation(name="triton-fused", **DECLARED)
 def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, alibi_slopes=None, sinks=None,
               block_q=None, block_k=None, precision="ieee"):
     """Fused FlashAttention; returns (O, LSE). float32 dots are IEEE unless precision="tf32"."""

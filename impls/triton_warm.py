@@ -16,15 +16,9 @@ the caller's thread before it starts (``preparse``). Without a parse to wrap, no
 
 ``ahead(key, launches, device)`` starts the compiles of a call's launches (a function giving them as
 (kernel, grid, [BLOCK_M, BLOCK_N, warps, stages], args, keyword arguments)), once per key, and returns
-their futures; ``wait(futures)`` blocks until they are done. A compile that fails here is left for the
-launch itself to meet (and report, or lower its tiles on, as it always did): ahead of time it is only a
-guess at the launch.
-
-``ahead(..., background=True)`` queues them in a pool of their own instead, for calls that may come
-(the suite's ``warm=`` hook hands over the run's shapes). A call that does come first ``claim``s its
-key: a compile still queued there moves to the front (the calls' own pool) and the call waits for
-it as for one running, so nothing compiles twice and no call waits behind the queue. At exit the
-queue is dropped.
+their futures; ``wait(futures)``
+blocks until they are done. A compile that fails here is left for the launch itself to meet (and
+report, or lower its tiles on, as it always did): ahead of time it is only a guess at the launch.
 """
 from __future__ import annotations
 
@@ -36,9 +30,8 @@ import threading
 import torch
 
 THREADS = 3  # the backward's three kernels
-BACKGROUND_THREADS = 2  # compiles of calls that may come: the lane gives each process two cores
-_POOLS: dict = {}  # False (a call's compiles) / True (background) -> its executor
-_FUTURES: dict = {}  # key -> [[future, job or None once started], ...]
+_POOL: list = []
+_SEEN: set = set()
 _LOCK = threading.Lock()
 PARSE_LOCK = threading.Lock()
 _PARSED: set = set()  # kernels whose functions were parsed ahead (preparse)
@@ -100,56 +93,20 @@ def _compile(device, kernel, grid_fn, cfg, args, kwargs):
         kernel.warmup(*args, grid=grid_fn(bm, bn), num_warps=warps, num_stages=stages, **blocks(cfg), **kwargs)
 
 
-def _pool(background: bool):
-    if background not in _POOLS:
-        _POOLS[background] = concurrent.futures.ThreadPoolExecutor(
-            BACKGROUND_THREADS if background else THREADS,
-            thread_name_prefix="triton-compile-ahead" if background else "triton-compile")
-        if background:
-            _drop_queue_at_exit(_POOLS[background])
-    return _POOLS[background]
-
-
-def _drop_queue_at_exit(pool) -> None:
-    """Python joins a pool's threads at exit only once its queue is empty: a queue of compiles
-    nobody needs any more would hold the process for minutes. Registered after the executors' own
-    exit hook, this runs before it (they run in reverse) and cancels what has not started."""
-    register = getattr(threading, "_register_atexit", None)
-    if register is not None:
-        register(lambda: pool.shutdown(wait=False, cancel_futures=True))
-
-
-def _submit(pool, job, background):
-    """[future, job]: a background job stays with its future for good. Its tensors (the warm() call's
-    zeros) are then never freed by a compile thread in the middle of a call, where their blocks could
-    serve that call's own allocations with zeros instead of the NaN the suite primes the cache with."""
-    return [pool.submit(_compile, *job), job if background else None]
-
-
-def ahead(key, launches, device, background=False) -> list:
+def ahead(key, launches, device) -> list:
     """Futures of the compiles of ``launches()``, the first time ``key`` is seen in this process (else none)."""
     with _LOCK:
-        if key in _FUTURES:
+        if key in _SEEN:
             return []
-        if not _POOLS and not serialize_parse():
-            _FUTURES[key] = []
-            return []  # compiled at the launches, one at a time
-        pool, todo = _pool(background), launches()
+        _SEEN.add(key)
+        if not _POOL:
+            if not serialize_parse():
+                return []  # compiled at the launches, one at a time
+            _POOL.append(concurrent.futures.ThreadPoolExecutor(THREADS, thread_name_prefix="triton-compile"))
+        todo = launches()
         preparse([launch[0] for launch in todo])
-        _FUTURES[key] = [_submit(pool, (device, kernel, grid_fn, list(cfg), args, kwargs), background)
-                         for kernel, grid_fn, cfg, args, kwargs in todo]
-        return [entry[0] for entry in _FUTURES[key]]
-
-
-def claim(key) -> list:
-    """The futures of ``key``'s compiles, for a call about to launch them: those still queued in the
-    background move to the calls' own pool (to the front), those running or done stay as they are."""
-    with _LOCK:
-        entries = _FUTURES.get(key, ())
-        for i, (future, job) in enumerate(entries):
-            if job is not None and future.cancel():  # queued, not started
-                entries[i] = [_pool(False).submit(_compile, *job), job]
-        return [entry[0] for entry in entries]
+    return [_POOL[0].submit(_compile, device, kernel, grid_fn, list(cfg), args, kwargs)
+            for kernel, grid_fn, cfg, args, kwargs in todo]
 
 
 def wait(futures) -> None:

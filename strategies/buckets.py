@@ -37,7 +37,6 @@ from dataclasses import astuple, dataclass
 
 from hypothesis import strategies as st
 
-from flashcheck.contract import warmup
 from flashcheck.strategies import context
 
 ENV = "FLASHCHECK_SHAPE_BUCKETS"
@@ -344,7 +343,6 @@ def cases(draw, dtypes, causal=None, regimes=None, masked_rows=False, masked_key
     relation = ("masked_rows" if masked_rows else "masked_keys" if masked_keys
                 else "equal_lengths" if equal_lengths else "any")
     candidates = run_shapes()
-    warmup.once(context.current().impl, candidates, lambda s: layout(s, candidates))
     shape = draw(shape_strategy(candidates, relation), label="shape bucket")
     align = "bottom_right" if masked_rows else "top_left" if masked_keys else _causal(draw, causal)
     scale = draw(st.one_of(st.sampled_from(SCALES), st.floats(0.01, 4.0)), label="scale")

@@ -202,93 +202,22 @@ def test_a_key_range_is_cut_at_few_points_in_a_bucketed_run(monkeypatch):
     assert buckets.key_chunks(192, [0, 1], by64) == [(0, 64), (64, 128), (128, 192)]
 
 
-def _warmed_kernel(calls, fail=False, dtypes=("float16", "float32"), **declared):
+def _kernel(dtypes):
     from flashcheck import implementation
-    from flashcheck.contract.memory import MEMORY
 
-    def warm(q, k, v, **kwargs):
-        if fail:
-            raise RuntimeError("no compiler here")
-        calls.append((q, k, v, kwargs))
-
-    @implementation(name="warmed", register=False, causal=("bottom_right", "top_left"), dtypes=dtypes,
-                    backward=True, blocks="any", layouts=tuple(MEMORY), warm=warm, **declared)
+    @implementation(name="three-dtypes", register=False, causal=("bottom_right", "top_left"), dtypes=dtypes,
+                    blocks="any")
     def attention(q, k, v, *, causal=False, scale=None, block_q=None, block_k=None):
         return q
 
     return attention.__flashcheck__
-
-
-def test_a_kernel_that_declares_warm_is_handed_every_shape_of_the_run_once_before_its_examples(on, monkeypatch):
-    """Each shape of the set, in each declared dtype and causal mode, laid out as the run lays it out,
-    zeros, every call again with inputs that require grad (it declares a backward); once per process."""
-    import torch
-    from flashcheck.contract import KnownIssue, memory, warmup
-
-    calls = []
-    seven = KnownIssue("no float32 with 7 heads", lambda c: c.hq == 7 and c.dtype == "float32",
-                       dict(hq=7, sq=9, sk=40, d=16, dv=16, dtype="float32"), "x")
-    impl = _warmed_kernel(calls, known_issues=(seven,))
-    monkeypatch.setattr(context, "current", lambda: context.Test(impl=impl))
-    monkeypatch.setattr(warmup, "_WARMED", set())
-    monkeypatch.setenv(warmup.ENV, "1")
-
-    @SAMPLE
-    @given(fs.cases())
-    def drawn(case):
-        assert calls, f"expected warm() to be called before the first example, drew {case!r} first"
-
-    drawn()
-    want = {(s, dt, c) for s in on for dt in ("float16", "float32") for c in (False, "bottom_right", "top_left")
-            if not (s.group * s.hkv == 7 and dt == "float32")}
-    got = [(buckets.Shape(q.shape[0], k.shape[1], q.shape[1] // k.shape[1], q.shape[2], k.shape[2], q.shape[3],
-                          v.shape[3], kw["block_q"], kw["block_k"]), str(q.dtype).removeprefix("torch."), kw["causal"])
-           for q, k, v, kw in calls]
-    half = len(got) // 2
-    assert got[:half] == got[half:], "expected every call made twice, the second time with grad"
-    assert len(got[:half]) == len(set(got)), "expected each call once in each pass, got some twice"
-    assert set(got) == want, f"expected every shape, dtype and causal mode of the run, missing {want - set(got)}, " \
-                             f"extra {set(got) - want}"
-    grads = [all(x.requires_grad for x in c[:3]) for c in calls]
-    assert grads == [False] * half + [True] * half, "expected the forwards first, then inputs that require grad"
-    for (q, k, v, kw), (shape, dtype, _) in zip(calls, got):
-        laid = memory.lay(torch, torch.zeros(q.shape).numpy(), buckets.layout(shape, on), device="cpu", dtype=q.dtype)
-        assert q.stride() == laid.stride(), f"expected the layout {buckets.layout(shape, on)}: strides " \
-                                            f"{laid.stride()}, got {q.stride()}"
-        assert not any(x.detach().nan_to_num().any() for x in (q, k, v)), "expected zeros"
-    assert warmup.once(impl, on, lambda s: buckets.layout(s, on)) == 0, "expected the second meeting to hand nothing"
-
-
-def test_a_warm_that_raises_warns_and_the_run_goes_on(on, monkeypatch):
-    from flashcheck.contract import warmup
-
-    impl = _warmed_kernel([], fail=True)
-    monkeypatch.setattr(warmup, "_WARMED", set())
-    monkeypatch.setenv(warmup.ENV, "1")
-    with pytest.warns(RuntimeWarning, match="warmed: warm\\(\\) raised RuntimeError: no compiler here"):
-        warmup.once(impl, on, lambda s: buckets.layout(s, on))
-
-
-def test_processes_that_share_a_cache_start_warming_at_different_shapes(on, monkeypatch):
-    from flashcheck.contract import warmup
-
-    firsts = set()
-    monkeypatch.setenv(warmup.ENV, "1")
-    for worker in ("gw0", "gw1", "gw2"):
-        calls = []
-        monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
-        monkeypatch.setattr(warmup, "_WARMED", set())
-        warmup.once(_warmed_kernel(calls), on, lambda s: buckets.layout(s, on))
-        firsts.add((calls[0][0].shape, calls[0][0].dtype, calls[0][3]["causal"]))
-    assert len(firsts) == 3, f"expected three workers to start at three calls, got {firsts}"
-
 
 def test_each_relation_between_the_lengths_meets_every_dtype_in_a_run_and_most_shapes_take_one(on, monkeypatch):
     """A shape's dtype is compile-relevant: most shapes take one per run, yet the shapes of each
     relation (Sq < Sk, Sq == Sk, Sq > Sk: what the masked-row and masked-key properties draw from)
     meet every dtype in every run, and every shape meets every dtype over three seeds."""
     three, halves = ("float16", "bfloat16", "float32"), ("float16", "bfloat16")
-    impl = _warmed_kernel([], dtypes=three)
+    impl = _kernel(three)
     monkeypatch.setattr(context, "current", lambda: context.Test(impl=impl))
     met = {s: set() for s in on}
     for run_seed in ("7", "8", "9"):
@@ -317,12 +246,3 @@ def test_each_relation_between_the_lengths_meets_every_dtype_in_a_run_and_most_s
 
     drawn()
 
-
-def test_warm_is_called_only_when_asked_for(on, monkeypatch):
-    from flashcheck.contract import warmup
-
-    calls = []
-    monkeypatch.setattr(warmup, "_WARMED", set())
-    monkeypatch.delenv(warmup.ENV, raising=False)
-    assert warmup.once(_warmed_kernel(calls), on, lambda s: buckets.layout(s, on)) == 0 and not calls, \
-        f"expected no warm() call without {warmup.ENV}=1, got {len(calls)}"

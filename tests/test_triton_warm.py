@@ -73,64 +73,34 @@ def test_tritons_parse_takes_a_lock_once_compiles_run_in_threads():
     assert warm.serialize_parse() and triton_jit.JITFunction.parse.serialized, "wrapped twice, or unwrapped"
 
 
-class _Blocking(_Kernel):
-    """A compile that lasts until ``release`` is set."""
-
-    def __init__(self, release):
-        super().__init__()
-        self.release, self.started = release, threading.Event()
-
-    def warmup(self, *args, grid, **kwargs):
-        self.started.set()
-        self.release.wait(30)
-        super().warmup(*args, grid=grid, **kwargs)
+def _another_kernel(x):
+    return x * 2
 
 
-def test_a_call_takes_over_its_compile_queued_behind_the_background_queue():
-    release = threading.Event()
-    busy = [_Blocking(release) for _ in range(warm.BACKGROUND_THREADS)]
-    for i, kernel in enumerate(busy):  # every background thread busy
-        warm.ahead(("test-key", 5, i), lambda k=kernel: [(k, lambda bm, bn: (1,), [16, 16, 4, 1], (), {})], "cuda:0",
-                   background=True)
-    mine = _Kernel()
-    queued = warm.ahead(("test-key", 6), lambda: [(mine, lambda bm, bn: (1,), [16, 16, 4, 1], (), {})], "cuda:0",
-                        background=True)
-    try:
-        assert all(k.started.wait(10) for k in busy), "the background threads did not start"
-        assert not mine.calls and not queued[0].done(), "expected the compile still queued"
-        claimed = warm.claim(("test-key", 6))
-        done, _ = warm.concurrent.futures.wait(claimed, timeout=10)
-        assert done and mine.calls, "a claimed compile waited behind the background queue"
-        assert queued[0].cancelled(), "expected the queued compile taken out of the background queue"
-        assert len(mine.calls) == 1, f"compiled {len(mine.calls)} times"
-    finally:
-        release.set()
-    assert warm.claim(("test-key", 7)) == [], "a key nobody queued has nothing to wait for"
+def test_compile_threads_copy_trees_parsed_in_the_callers_thread(monkeypatch):
+    """pytest and Hypothesis parse in the main thread with no lock of ours: a compile thread must not
+    build an AST from source at all. The kernel and Triton's own functions are parsed up front."""
+    import ast
 
+    triton_jit = pytest.importorskip("triton.runtime.jit")
+    standard = pytest.importorskip("triton.language.standard")
+    kernel = triton_jit.JITFunction(_another_kernel)
+    # Triton's own functions are JIT functions unless TRITON_INTERPRET=1 (as on CPU) makes them interpreted
+    fns = [kernel] + [f for f in vars(standard).values() if isinstance(f, triton_jit.JITFunction)][:1]
+    assert warm.serialize_parse()
+    warm.preparse([kernel])
+    want = [ast.dump(f.parse()) for f in fns]
+    caller = threading.get_ident()
+    parse = ast.parse
 
-def test_the_background_queue_does_not_hold_the_process_at_exit(tmp_path):
-    """Thirty queued compiles of a second each: the process ends after the running ones, not all."""
-    import os
-    import subprocess
-    import sys
-    import time
-    from pathlib import Path
+    def main_thread_only(*args, **kwargs):
+        assert threading.get_ident() == caller, "a compile thread built an AST from source"
+        return parse(*args, **kwargs)
 
-    script = tmp_path / "queued_compiles.py"  # not queue.py: that would shadow the module
-    script.write_text(
-        "import time, threading\n"
-        "import flashcheck\n"
-        "from flashcheck.impls import triton_warm as warm\n"
-        "warm.serialize_parse = lambda: True\n"
-        "warm.torch.cuda.device = lambda device: threading.Lock()\n"
-        "class K:\n"
-        "    def warmup(self, *a, **k): time.sleep(1)\n"
-        "for i in range(30):\n"
-        "    warm.ahead(('k', i), lambda: [(K(), lambda bm, bn: (1,), [16, 16, 4, 1], (), {})], 'cuda:0', "
-        "background=True)\n")
-    start = time.perf_counter()
-    root = str(Path(__file__).resolve().parent.parent)  # this checkout's flashcheck, installed or not
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH")))))
-    subprocess.run([sys.executable, str(script)], check=True, timeout=60, env=env)
-    took = time.perf_counter() - start
-    assert took < 10, f"expected the queue dropped at exit (a few seconds), the process took {took:.0f} s"
+    monkeypatch.setattr(ast, "parse", main_thread_only)
+    got = []
+    t = threading.Thread(target=lambda: got.extend(ast.dump(f.parse()) for f in fns))
+    t.start()
+    t.join(10)
+    assert got == want, "expected copies of the trees parsed up front, got none or others"
+    assert kernel.parse() is not kernel.parse(), "expected a fresh copy per parse (a compile may change its tree)"

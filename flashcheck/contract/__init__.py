@@ -106,10 +106,6 @@ class Implementation:
     # returns), handed over as a view inside a buffer with guard bands on both sides; nothing past it may
     # change, and out is what comes back
     out: bool = False
-    # (q, k, v, **kwargs) -> None: start compiling, in its own threads, what a call with these arguments
-    # launches, and return at once; run nothing. A bucketed run hands it each of its shapes before their
-    # examples come (flashcheck/contract/warmup.py)
-    warm: Callable | None = None
 
     def __post_init__(self):
         _validate(self)
@@ -237,9 +233,6 @@ def _validate(i: Implementation) -> None:
     if i.supports is not None and not callable(i.supports):
         raise ContractError(f"implementation {name!r}: supports must be a callable case -> bool | str, "
                             f"got {i.supports!r}")
-    if i.warm is not None and not callable(i.warm):
-        raise ContractError(f"implementation {name!r}: warm must be a callable (q, k, v, **kwargs) -> None that "
-                            f"starts compiling what such a call launches, got {i.warm!r}")
     if i.precision not in PRECISIONS:
         raise ContractError(f"implementation {name!r}: precision must be one of {PRECISIONS}, got {i.precision!r}")
     for feature in feature_table.NAMES:
