@@ -34,7 +34,6 @@ _POOL: list = []
 _SEEN: set = set()
 _LOCK = threading.Lock()
 PARSE_LOCK = threading.Lock()
-_PARSED: set = set()  # kernels whose functions were parsed ahead (preparse)
 
 
 def serialize_parse() -> bool:
@@ -48,15 +47,18 @@ def serialize_parse() -> bool:
     if getattr(parse, "serialized", False):
         return True
 
-    def once(self):
+    def build(self):  # this function's tree, parsed once
         src = getattr(self, "src", None)
         with PARSE_LOCK:
             built = self.__dict__.get("_flashcheck_tree")
             if built is None or built[0] != src:
                 built = self.__dict__["_flashcheck_tree"] = (src, parse(self))
-        return copy.deepcopy(built[1])  # a copy builds no AST from source: it cannot race a parse
+        return built[1]
 
-    once.serialized = True
+    def once(self):
+        return copy.deepcopy(build(self))  # a copy builds no AST from source: it cannot race a parse
+
+    once.serialized, once.build = True, build
     JITFunction.parse = once
     return True
 
@@ -68,15 +70,16 @@ def preparse(kernels) -> None:
     no lock of ours sees."""
     from triton.runtime.jit import JITFunction
 
+    build = getattr(JITFunction.parse, "build", None)
     for kernel in kernels:
-        if id(kernel) in _PARSED or not isinstance(kernel, JITFunction):
+        if build is None or not isinstance(kernel, JITFunction) or kernel.__dict__.get("_flashcheck_preparsed"):
             continue
-        _PARSED.add(id(kernel))
+        kernel.__dict__["_flashcheck_preparsed"] = True
         spaces = [getattr(getattr(kernel, "fn", None), "__globals__", {})]
         spaces += [vars(m) for name, m in list(sys.modules.items()) if name.startswith("triton.language") and m]
         for fn in {id(f): f for space in spaces for f in list(space.values()) if isinstance(f, JITFunction)}.values():
             try:
-                fn.parse()
+                build(fn)
             except Exception:  # a function that does not parse alone is its compile's to report
                 pass
 

@@ -212,6 +212,7 @@ def _kernel(dtypes):
 
     return attention.__flashcheck__
 
+
 def test_each_relation_between_the_lengths_meets_every_dtype_in_a_run_and_most_shapes_take_one(on, monkeypatch):
     """A shape's dtype is compile-relevant: most shapes take one per run, yet the shapes of each
     relation (Sq < Sk, Sq == Sk, Sq > Sk: what the masked-row and masked-key properties draw from)
@@ -245,4 +246,3 @@ def test_each_relation_between_the_lengths_meets_every_dtype_in_a_run_and_most_s
         assert case.dtype in want, f"expected one of the shape's dtypes {want}, drew {case!r}"
 
     drawn()
-
