@@ -322,9 +322,37 @@ def dtypes_of(shape: Shape, candidates: tuple[Shape, ...], dtypes) -> tuple[str,
     return tuple(d for d in order[:per] if d in dtypes) or tuple(d for d in order if d in dtypes)[:1] or tuple(dtypes)
 
 
-def tilings():
-    """A tiling among those of the run's shapes."""
-    return st.deferred(lambda: st.sampled_from(tiling_values(run_shapes())))
+def second_tiling(case) -> tuple[int, int]:
+    """The second tiling (block_q, block_k) the run pairs with ``case``'s shape, for a property that
+    runs a case at two. A tiling is a compile-time value, like a dtype: drawn per example, it builds
+    every kernel of a shape again at each tiling of the run, in every example and every night. So each
+    shape of the run takes one tiling of the run other than its own, the shapes taking them in turn
+    from a point the seed moves, so that the run meets every tiling (with at least as many shapes as
+    tilings) and other seeds pair them otherwise. A case outside the run's shapes takes one by its
+    fields' checksum."""
+    own = (case.block_q, case.block_k)
+    shape = Shape(case.batch, case.hkv, case.hq // case.hkv, case.sq, case.sk, case.d, case.dv, *own)
+    paired = _second_tilings(run_shapes() + run_long_shapes(), tiling_values(run_shapes()), seed())
+    if shape in paired:
+        return paired[shape]
+    others = [t for t in tiling_values(run_shapes()) if t != own] or [own]
+    return others[zlib.crc32(repr(astuple(shape)).encode()) % len(others)]
+
+
+@functools.lru_cache(maxsize=8)
+def _second_tilings(candidates: tuple[Shape, ...], tilings: tuple, run_seed: int) -> dict:
+    queue: list = []
+    paired = {}
+    for shape in candidates:
+        own = (shape.block_q, shape.block_k)
+        if not [t for t in queue if t != own]:  # what is left is this shape's own tiling, or nothing
+            start = run_seed % len(tilings)
+            queue += tilings[start:] + tilings[:start]
+        pick = next((t for t in queue if t != own), own)  # own only where the run has no other
+        if pick in queue:
+            queue.remove(pick)
+        paired[shape] = pick
+    return paired
 
 
 def _causal(draw, causal):

@@ -47,9 +47,14 @@ def block_sizes():
 
 
 def tilings():
-    """A second tiling (block_q, block_k) for a drawn case: with shape buckets one that a shape of the
-    run carries, otherwise any two block sizes."""
-    return buckets.tilings() if buckets.active(_profile()) else st.tuples(block_sizes(), block_sizes())
+    """A second tiling (block_q, block_k) for a drawn case: any two block sizes; with shape buckets,
+    None, which ``second_tiling`` resolves to the tiling the run pairs with the case's shape."""
+    return st.none() if buckets.active(_profile()) else st.tuples(block_sizes(), block_sizes())
+
+
+def second_tiling(case, drawn):
+    """The second tiling to run ``case`` at: the drawn one (from ``tilings()``), else the run's pair."""
+    return drawn if drawn is not None else buckets.second_tiling(case)
 
 
 def _profile() -> str:

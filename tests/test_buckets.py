@@ -65,16 +65,24 @@ def test_every_layout_meets_some_shape_of_the_run_and_the_plainest_is_contiguous
     assert set(got) == set(MEMORY), f"expected every layout among the run's shapes, got {sorted(set(got))}"
 
 
-def test_a_second_tiling_is_one_that_a_shape_of_the_run_carries(on):
+def test_each_shape_takes_one_second_tiling_another_of_the_runs_and_the_run_meets_them_all(on):
     pairs = buckets.tiling_values(on)
     assert len(pairs) > 2, f"expected the run's shapes to carry several tilings, got {pairs}"
+    seconds = {}
 
     @SAMPLE
-    @given(fs.draw.tilings())
-    def second(tiling):
-        assert tiling in pairs, f"expected a tiling among {pairs}, drew {tiling}"
+    @given(fs.cases(), fs.draw.tilings())
+    def second(case, drawn):
+        tiling = fs.draw.second_tiling(case, drawn)
+        assert tiling in pairs, f"expected a tiling among {pairs}, got {tiling}"
+        assert tiling != (case.block_q, case.block_k), f"expected a tiling other than the case's own, got {tiling}"
+        got = seconds.setdefault(_shape_of(case), tiling)
+        assert got == tiling, f"expected {_shape_of(case)} to take one second tiling in a run, got {got} and {tiling}"
 
     second()
+    paired = {buckets.second_tiling(types.SimpleNamespace(**s.fields)) for s in on}
+    assert paired == set(pairs), f"expected the run's shapes to meet every tiling of the run, met {sorted(paired)}"
+    assert fs.draw.second_tiling(fs.AttentionCase(), (2, 3)) == (2, 3), "expected a drawn tiling kept as drawn"
 
 
 @pytest.mark.parametrize("run_seed", range(6))
