@@ -81,10 +81,8 @@ DKDV_CFG = {16: (32, 128, 4, 3), 32: (32, 128, 4, 3), 64: (32, 128, 4, 3), 128: 
             256: (32, 64, 8, 2)}
 DQ_CFG = {16: (128, 64, 8, 3), 32: (128, 64, 8, 3), 64: (128, 64, 8, 3), 128: (128, 64, 8, 3),
           256: (64, 32, 8, 2)}
-# IEEE float32 dots run on the FMA units from registers: smaller tiles compile fast and do not spill,
-# and eight warps halve each thread's unrolled share of a tile, which halves the compile (ptxas and
-# LLVM time grow with the code per thread).
-FP32_CFG = {16: (64, 32, 8, 2), 32: (64, 32, 8, 2), 64: (32, 32, 8, 2), 128: (32, 32, 8, 2),
+# IEEE float32 dots run on the FMA units from registers: smaller tiles compile fast and do not spill.
+FP32_CFG = {16: (64, 32, 4, 2), 32: (64, 32, 4, 2), 64: (32, 32, 4, 2), 128: (32, 32, 4, 2),
             256: (16, 32, 4, 1)}
 INTERP_CFG = (32, 32, 4, 1)
 
@@ -96,9 +94,7 @@ class _Cfg:
         self.fwd, self.dkdv, self.dq = list(fwd), list(dkdv), list(dq)
 
 
-def _warps(bm, bn, dpad, fp32=False):
-    if fp32:  # FMA dots: eight warps from a 32 x 32 tile on (see FP32_CFG)
-        return 8 if bm * bn >= 32 * 32 else 4
+def _warps(bm, bn, dpad):
     return 8 if bm * max(bn, dpad) >= 128 * 128 else 4
 
 
@@ -114,7 +110,7 @@ def _config(block_q, block_k, dpad, overrides=None, fp32=False) -> _Cfg:
         if block_q is not None or block_k is not None:
             bm = block_q if block_q is not None else bm
             bn = block_k if block_k is not None else bn
-            w, st = (4, 1) if INTERPRET else (_warps(bm, bn, dpad, fp32), 1 if fp32 else 2)
+            w, st = (4, 1) if INTERPRET else (4 if fp32 else _warps(bm, bn, dpad), 1 if fp32 else 2)
         cfg[name] = (bm, bn, w, st)
     if overrides:
         cfg.update(overrides)
