@@ -52,9 +52,18 @@ def tilings():
     return st.none() if buckets.active(_profile()) else st.tuples(block_sizes(), block_sizes())
 
 
+LONG_BLOCKS = (16, 32, 64, 128)  # a long case's tiles (long_cases): a one-row tile at 2048 x 2048 is 4M tiles
+
+
 def second_tiling(case, drawn):
-    """The second tiling to run ``case`` at: the drawn one (from ``tilings()``), else the run's pair."""
-    return drawn if drawn is not None else buckets.second_tiling(case)
+    """The second tiling to run ``case`` at: the drawn one (from ``tilings()``), else the run's pair.
+    A long case keeps to the long region's tile sizes, as its own tiling does: a tiled kernel's CPU
+    lane cannot afford millions of one-row tiles, and the long region is about length, not tiles."""
+    if drawn is None:
+        return buckets.second_tiling(case)
+    if max(case.sq, case.sk) > limits()["seq"]:
+        return tuple(_nearest(b, LONG_BLOCKS) for b in drawn)
+    return drawn
 
 
 def _profile() -> str:
@@ -212,7 +221,7 @@ def long_cases(draw, dtypes, causal=None, regimes=REGIMES):
     sk = draw(st.integers(2, top) | edges, label="long sk")
     sq = draw(st.sampled_from((sk, 1, 17)) | st.integers(2, top), label="long sq")
     hkv = draw(st.integers(1, 2), label="hkv")
-    block = st.sampled_from((16, 32, 64, 128))
+    block = st.sampled_from(LONG_BLOCKS)
     align = None if causal == "none" else causal or draw(
         st.sampled_from((None, "bottom_right", "top_left")), label="causal")
     d = draw(st.sampled_from((8, 16, 4, 32, 1, 5)), label="d")

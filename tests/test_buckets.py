@@ -83,6 +83,9 @@ def test_each_shape_takes_one_second_tiling_another_of_the_runs_and_the_run_meet
     paired = {buckets.second_tiling(types.SimpleNamespace(**s.fields)) for s in on}
     assert paired == set(pairs), f"expected the run's shapes to meet every tiling of the run, met {sorted(paired)}"
     assert fs.draw.second_tiling(fs.AttentionCase(), (2, 3)) == (2, 3), "expected a drawn tiling kept as drawn"
+    long = fs.AttentionCase(sq=2048, sk=2048, d=8, dv=8)
+    got = fs.draw.second_tiling(long, (1, 5))
+    assert got == (16, 16), f"expected a long case's drawn tiling kept to the long region's tiles, (16, 16), got {got}"
 
 
 @pytest.mark.parametrize("run_seed", range(6))
