@@ -16,9 +16,9 @@ the caller's thread before it starts (``preparse``). Without a parse to wrap, no
 
 ``ahead(key, launches, device)`` starts the compiles of a call's launches (a function giving them as
 (kernel, grid, [BLOCK_M, BLOCK_N, warps, stages], args, keyword arguments)), once per key, and returns
-their futures; ``wait(futures)``
-blocks until they are done. A compile that fails here is left for the launch itself to meet (and
-report, or lower its tiles on, as it always did): ahead of time it is only a guess at the launch.
+their futures; ``wait(futures)`` blocks until they are done. A compile that fails here is left for
+the launch itself to meet (and report, or lower its tiles on, as it always did): ahead of time it is
+only a guess at the launch.
 """
 from __future__ import annotations
 

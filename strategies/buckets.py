@@ -63,6 +63,12 @@ class Shape:
     block_q: int
     block_k: int
 
+    @classmethod
+    def of(cls, case) -> "Shape":
+        """The shape of a case (anything with AttentionCase's fields)."""
+        return cls(case.batch, case.hkv, case.hq // case.hkv, case.sq, case.sk, case.d, case.dv, case.block_q,
+                   case.block_k)
+
     @property
     def fields(self) -> dict:
         """The AttentionCase fields this shape fixes."""
@@ -174,8 +180,8 @@ def shape_strategy(candidates: tuple[Shape, ...], relation: str = "any"):
 
 
 def tiling_values(candidates: tuple[Shape, ...]) -> tuple[tuple[int, int], ...]:
-    """The tilings (block_q, block_k) the run's shapes carry, smallest first (for properties that draw
-    a second tiling). Pairs, not every block size against every other: each is one more compile per
+    """The tilings (block_q, block_k) the run's shapes carry, smallest first (the second tilings
+    ``second_tiling`` pairs with them). Pairs, not every block size against every other: each is one more compile per
     kernel, dtype and set of flags, and the run's shapes already meet each pair."""
     return tuple(sorted({(s.block_q, s.block_k) for s in candidates}))
 
@@ -231,7 +237,7 @@ def _runnable(impl, shape: Shape) -> Shape | None:
         return None
     if c is None or any(issue.applies(c) for issue in impl.known_issues):
         return None
-    return Shape(c.batch, c.hkv, c.hq // c.hkv, c.sq, c.sk, c.d, c.dv, c.block_q, c.block_k)
+    return Shape.of(c)
 
 
 @functools.lru_cache(maxsize=8)
@@ -330,12 +336,11 @@ def second_tiling(case) -> tuple[int, int]:
     from a point the seed moves, so that the run meets every tiling (with at least as many shapes as
     tilings) and other seeds pair them otherwise. A case outside the run's shapes takes one by its
     fields' checksum."""
-    own = (case.block_q, case.block_k)
-    shape = Shape(case.batch, case.hkv, case.hq // case.hkv, case.sq, case.sk, case.d, case.dv, *own)
-    paired = _second_tilings(run_shapes() + run_long_shapes(), tiling_values(run_shapes()), seed())
+    own, shape, found = (case.block_q, case.block_k), Shape.of(case), run_shapes()
+    paired = _second_tilings(found + run_long_shapes(), tiling_values(found), seed())
     if shape in paired:
         return paired[shape]
-    others = [t for t in tiling_values(run_shapes()) if t != own] or [own]
+    others = [t for t in tiling_values(found) if t != own] or [own]
     return others[zlib.crc32(repr(astuple(shape)).encode()) % len(others)]
 
 
