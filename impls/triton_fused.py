@@ -213,6 +213,11 @@ class _Features:
         return args
 
 
+def one_loop(q, precision) -> dict:
+    """The kernels' ONE_LOOP flag: IEEE float32 runs every tile through the masked loop (triton_kernels)."""
+    return dict(ONE_LOOP=q.dtype == torch.float32 and precision == "ieee")
+
+
 def _is_int(x):
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
@@ -283,7 +288,8 @@ def _forward(q, k, v, align, scale, precision, cfg: _Cfg, kernels=K, out=None, f
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
             hq, hq // hkv, sq, sk, d, dv, feats.off, scale * K.LOG2E_F, **feats.kernel_args(lse),
-            D_PAD=dpad, DV_PAD=dvpad, PAD_D=dpad != d, PAD_DV=dvpad != dv, DOT_PREC=precision)
+            D_PAD=dpad, DV_PAD=dvpad, PAD_D=dpad != d, PAD_DV=dvpad != dv, DOT_PREC=precision,
+            **one_loop(q, precision))
     return o, lse
 
 
@@ -294,7 +300,7 @@ def _bwd_launches(do, q, k, v, o, lse, delta, dq, dk, dvv, scale, precision, cfg
     dpad, dvpad = _pad(d), _pad(dv)
     pre = [16 if INTERPRET else 64, None, 4, 3]  # Triton's default warps and stages
     common = dict(**feats.kernel_args(lse, with_sinks=False), D_PAD=dpad, DV_PAD=dvpad, PAD_D=dpad != d,
-                  PAD_DV=dvpad != dv, DOT_PREC=precision)
+                  PAD_DV=dvpad != dv, DOT_PREC=precision, **one_loop(q, precision))
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2))
     return [(kernels.attn_bwd_preprocess, lambda bm, bn: (triton.cdiv(sq, bm), hq, b), pre,

@@ -13,6 +13,12 @@ Optional features, each a constexpr flag so that the plain kernel compiles exact
 - ALIBI: logits get -slope_h * |i + DIAG - j| (DIAG = Sk - Sq), slopes float32 at SLOPES + b * ssb + h;
 - HAS_SINKS: one float32 logit per query head (SINKS + h) joins each row's softmax denominator.
 
+ONE_LOOP (constexpr, default off): every tile runs through the masked loop instead of the band's cut
+tiles alone. The launcher sets it for IEEE float32, whose dots run on the FMA units and cost far more
+than the masks: one inlined loop body instead of two halves the code Triton compiles (at D = 128 the
+dK/dV kernel took 7-15 s to compile on a loaded H100), at the same speed. The results are the same,
+bit for bit: a mask that keeps every entry changes nothing.
+
 IS_VARLEN (constexpr, default off): a packed batch (flashcheck/contract/packed.py), q (Tq, Hq, D),
 k (Tk, Hkv, D), v (Tk, Hkv, Dv), the token strides in the sequence-stride slots (sqm, skn, ...), lse and
 delta (Hq, Tq). Program (tile, h, b) reads sequence b's start and length from CU_Q / CU_K (int32,
@@ -215,7 +221,8 @@ def attn_fwd(Q, K, V, O, LSE,
              CAUSAL: tl.constexpr, LEFT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
              HAS_SINKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
              D_PAD: tl.constexpr, DV_PAD: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr,
-             DOT_PREC: tl.constexpr, CU_Q=None, CU_K=None, TOP=0, IS_VARLEN: tl.constexpr = False):
+             DOT_PREC: tl.constexpr, CU_Q=None, CU_K=None, TOP=0, IS_VARLEN: tl.constexpr = False,
+             ONE_LOOP: tl.constexpr = False):
     pid_m = tl.program_id(0)
     if CAUSAL:  # the last query tiles see the most keys: start them first to shorten the tail
         pid_m = tl.num_programs(0) - 1 - pid_m
@@ -257,17 +264,24 @@ def attn_fwd(Q, K, V, O, LSE,
     lo, hi = _key_range(m0, Sk, OFF, BLOCK_M, BLOCK_N, CAUSAL)
     if LEFT:
         start, full, lo = _left_edge(m0, LOFF, lo, hi, BLOCK_M, BLOCK_N)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, skn, svn, start, full, offs_m, Sk, D, Dv,
+    else:
+        start = 0
+        full = 0
+    if ONE_LOOP:  # every key tile through the masked loop (see the module's docstring)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, skn, svn, start, hi, offs_m, Sk, D, Dv,
                                    OFF, qk_scale, LOFF, DIAG, cap2, slope2, True, CAUSAL, LEFT, SOFTCAP, ALIBI,
                                    BLOCK_N, D_PAD, DV_PAD, PAD_D, PAD_DV, DOT_PREC)
     else:
-        full = 0
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, skn, svn, full, lo, offs_m, Sk, D, Dv, OFF,
-                               qk_scale, LOFF, DIAG, cap2, slope2, False, CAUSAL, LEFT, SOFTCAP, ALIBI,
-                               BLOCK_N, D_PAD, DV_PAD, PAD_D, PAD_DV, DOT_PREC)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, skn, svn, lo, hi, offs_m, Sk, D, Dv, OFF,
-                               qk_scale, LOFF, DIAG, cap2, slope2, True, CAUSAL, LEFT, SOFTCAP, ALIBI,
-                               BLOCK_N, D_PAD, DV_PAD, PAD_D, PAD_DV, DOT_PREC)
+        if LEFT:
+            acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, skn, svn, start, full, offs_m, Sk, D,
+                                       Dv, OFF, qk_scale, LOFF, DIAG, cap2, slope2, True, CAUSAL, LEFT, SOFTCAP,
+                                       ALIBI, BLOCK_N, D_PAD, DV_PAD, PAD_D, PAD_DV, DOT_PREC)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, skn, svn, full, lo, offs_m, Sk, D, Dv, OFF,
+                                   qk_scale, LOFF, DIAG, cap2, slope2, False, CAUSAL, LEFT, SOFTCAP, ALIBI,
+                                   BLOCK_N, D_PAD, DV_PAD, PAD_D, PAD_DV, DOT_PREC)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, skn, svn, lo, hi, offs_m, Sk, D, Dv, OFF,
+                                   qk_scale, LOFF, DIAG, cap2, slope2, True, CAUSAL, LEFT, SOFTCAP, ALIBI,
+                                   BLOCK_N, D_PAD, DV_PAD, PAD_D, PAD_DV, DOT_PREC)
 
     seen = l_i > 0.0  # with a finite sink every row has l >= 1: O = 0 where it saw no key, LSE = sink
     if IS_VARLEN:
@@ -351,7 +365,8 @@ def attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV,
                   CAUSAL: tl.constexpr, LEFT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   D_PAD: tl.constexpr, DV_PAD: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr,
-                  DOT_PREC: tl.constexpr, CU_Q=None, CU_K=None, TOP=0, IS_VARLEN: tl.constexpr = False):
+                  DOT_PREC: tl.constexpr, CU_Q=None, CU_K=None, TOP=0, IS_VARLEN: tl.constexpr = False,
+                  ONE_LOOP: tl.constexpr = False):
     """One program per (key tile, batch, kv head): loops over the group's query heads and query tiles."""
     pid_n = tl.program_id(0)
     b = tl.program_id(2).to(tl.int64)  # grid (key tiles, Hkv, B)
@@ -403,16 +418,21 @@ def attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV,
         else:
             row_base = (b * Hq + h) * Sq
         slope2 = _slope(SLOPES, ssb, b, h, ALIBI)
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, LSE, DELTA, row_base, sqm, sdom, lo, mid, offs_n,
-                             Sq, D, Dv, OFF, qk_scale, LOFF, DIAG, cap2, slope2, True, CAUSAL, LEFT, SOFTCAP,
-                             ALIBI, BLOCK_M, D_PAD, DV_PAD, PAD_D, PAD_DV, DOT_PREC)
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, LSE, DELTA, row_base, sqm, sdom, mid, full, offs_n,
-                             Sq, D, Dv, OFF, qk_scale, LOFF, DIAG, cap2, slope2, False, CAUSAL, LEFT, SOFTCAP,
-                             ALIBI, BLOCK_M, D_PAD, DV_PAD, PAD_D, PAD_DV, DOT_PREC)
-        if LEFT:
-            dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, LSE, DELTA, row_base, sqm, sdom, full, end,
-                                 offs_n, Sq, D, Dv, OFF, qk_scale, LOFF, DIAG, cap2, slope2, True, CAUSAL, LEFT,
+        if ONE_LOOP:  # every query tile in one loop, masked only where there is a band to mask
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, LSE, DELTA, row_base, sqm, sdom, lo, end,
+                                 offs_n, Sq, D, Dv, OFF, qk_scale, LOFF, DIAG, cap2, slope2, CAUSAL or LEFT, CAUSAL,
+                                 LEFT, SOFTCAP, ALIBI, BLOCK_M, D_PAD, DV_PAD, PAD_D, PAD_DV, DOT_PREC)
+        else:
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, LSE, DELTA, row_base, sqm, sdom, lo, mid, offs_n,
+                                 Sq, D, Dv, OFF, qk_scale, LOFF, DIAG, cap2, slope2, True, CAUSAL, LEFT, SOFTCAP,
+                                 ALIBI, BLOCK_M, D_PAD, DV_PAD, PAD_D, PAD_DV, DOT_PREC)
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, LSE, DELTA, row_base, sqm, sdom, mid, full,
+                                 offs_n, Sq, D, Dv, OFF, qk_scale, LOFF, DIAG, cap2, slope2, False, CAUSAL, LEFT,
                                  SOFTCAP, ALIBI, BLOCK_M, D_PAD, DV_PAD, PAD_D, PAD_DV, DOT_PREC)
+            if LEFT:
+                dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, LSE, DELTA, row_base, sqm, sdom, full, end,
+                                     offs_n, Sq, D, Dv, OFF, qk_scale, LOFF, DIAG, cap2, slope2, True, CAUSAL,
+                                     LEFT, SOFTCAP, ALIBI, BLOCK_M, D_PAD, DV_PAD, PAD_D, PAD_DV, DOT_PREC)
     dk = dk * sm_scale
     _store2d(DK + dk_off + hk * sdkh + offs_n[:, None] * sdkn + offs_d[None, :], dk.to(DK.dtype.element_ty),
              offs_n, Sk, offs_d, D, PAD_D)
@@ -448,7 +468,8 @@ def attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ,
                 CAUSAL: tl.constexpr, LEFT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 D_PAD: tl.constexpr, DV_PAD: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr,
-                DOT_PREC: tl.constexpr, CU_Q=None, CU_K=None, TOP=0, IS_VARLEN: tl.constexpr = False):
+                DOT_PREC: tl.constexpr, CU_Q=None, CU_K=None, TOP=0, IS_VARLEN: tl.constexpr = False,
+                ONE_LOOP: tl.constexpr = False):
     """One program per (query tile, batch, query head): loops over the key tiles it sees."""
     pid_m = tl.program_id(0)
     if CAUSAL:
@@ -487,17 +508,24 @@ def attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ,
     lo, hi = _key_range(m0, Sk, OFF, BLOCK_M, BLOCK_N, CAUSAL)
     if LEFT:
         start, full, lo = _left_edge(m0, LOFF, lo, hi, BLOCK_M, BLOCK_N)
-        dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, skn, svn, start, full, offs_m, Sk, D, Dv, OFF,
+    else:
+        start = 0
+        full = 0
+    if ONE_LOOP:  # every key tile through the masked loop (see the module's docstring)
+        dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, skn, svn, start, hi, offs_m, Sk, D, Dv, OFF,
                        qk_scale, LOFF, DIAG, cap2, slope2, True, CAUSAL, LEFT, SOFTCAP, ALIBI,
                        BLOCK_N, D_PAD, DV_PAD, PAD_D, PAD_DV, DOT_PREC)
     else:
-        full = 0
-    dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, skn, svn, full, lo, offs_m, Sk, D, Dv, OFF, qk_scale,
-                   LOFF, DIAG, cap2, slope2, False, CAUSAL, LEFT, SOFTCAP, ALIBI,
-                   BLOCK_N, D_PAD, DV_PAD, PAD_D, PAD_DV, DOT_PREC)
-    dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, skn, svn, lo, hi, offs_m, Sk, D, Dv, OFF, qk_scale,
-                   LOFF, DIAG, cap2, slope2, True, CAUSAL, LEFT, SOFTCAP, ALIBI,
-                   BLOCK_N, D_PAD, DV_PAD, PAD_D, PAD_DV, DOT_PREC)
+        if LEFT:
+            dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, skn, svn, start, full, offs_m, Sk, D, Dv, OFF,
+                           qk_scale, LOFF, DIAG, cap2, slope2, True, CAUSAL, LEFT, SOFTCAP, ALIBI,
+                           BLOCK_N, D_PAD, DV_PAD, PAD_D, PAD_DV, DOT_PREC)
+        dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, skn, svn, full, lo, offs_m, Sk, D, Dv, OFF,
+                       qk_scale, LOFF, DIAG, cap2, slope2, False, CAUSAL, LEFT, SOFTCAP, ALIBI,
+                       BLOCK_N, D_PAD, DV_PAD, PAD_D, PAD_DV, DOT_PREC)
+        dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, skn, svn, lo, hi, offs_m, Sk, D, Dv, OFF,
+                       qk_scale, LOFF, DIAG, cap2, slope2, True, CAUSAL, LEFT, SOFTCAP, ALIBI,
+                       BLOCK_N, D_PAD, DV_PAD, PAD_D, PAD_DV, DOT_PREC)
     dq = dq * sm_scale
     _store2d(DQ + dq_off + h * sdqh + offs_m[:, None] * sdqm + offs_d[None, :], dq.to(DQ.dtype.element_ty),
              offs_m, Sq, offs_d, D, PAD_D)

@@ -75,7 +75,7 @@ def _forward(q, k, v, cu, grid_q, scale, precision, cfg, feats, top, kernels=K):
                0, o.stride(1), o.stride(0),
                hq, hq // hkv, tq, tk, d, dv, feats.off, scale * K.LOG2E_F, **feats.kernel_args(lse),
                D_PAD=dpad, DV_PAD=dvpad, PAD_D=dpad != d, PAD_DV=dvpad != dv, DOT_PREC=precision,
-               CU_Q=cu[0], CU_K=cu[1], TOP=top, IS_VARLEN=True)
+               CU_Q=cu[0], CU_K=cu[1], TOP=top, IS_VARLEN=True, **tf.one_loop(q, precision))
     return o, lse
 
 
@@ -96,7 +96,8 @@ def _backward(do, q, k, v, o, lse, cu, grid_q, grid_k, scale, precision, cfg, fe
         o, do, delta, 0, o.stride(1), o.stride(0), 0, do.stride(1), do.stride(0),
         hq, tq, dv, BLOCK_M=pre_bm, DV_PAD=dvpad, PAD_DV=dvpad != dv)
     common = dict(**feats.kernel_args(lse, with_sinks=False), D_PAD=dpad, DV_PAD=dvpad, PAD_D=dpad != d,
-                  PAD_DV=dvpad != dv, DOT_PREC=precision, CU_Q=cu[0], CU_K=cu[1], TOP=top, IS_VARLEN=True)
+                  PAD_DV=dvpad != dv, DOT_PREC=precision, CU_Q=cu[0], CU_K=cu[1], TOP=top, IS_VARLEN=True,
+                  **tf.one_loop(q, precision))
     tf._launch(kernels.attn_bwd_dkdv, lambda bm, bn: (triton.cdiv(grid_k, bn), hkv, n), cfg.dkdv,
                q, k, v, do, lse, delta, dk, dvv,
                0, q.stride(1), q.stride(0), 0, k.stride(1), k.stride(0), 0, v.stride(1), v.stride(0),
