@@ -189,6 +189,21 @@ def _last_dim_contiguous(x):
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def _dense(x):
+    """x itself where it is contiguous, with the strides a fresh tensor of its shape has, at a 16-byte
+    aligned address; else a contiguous copy. Triton specializes a kernel on the 16-divisibility of every
+    stride and pointer, so a view's layout would compile the backward's three kernels again for each
+    layout met: on dense copies they depend on the shape alone. A copy reads and writes the tensor once,
+    little beside the backward's quadratic work."""
+    stride, n = [], 1
+    for size in reversed(x.shape):
+        stride.append(n)
+        n *= size
+    if x.stride() == tuple(reversed(stride)) and x.data_ptr() % 16 == 0:
+        return x
+    return x.clone(memory_format=torch.contiguous_format)
+
+
 @dataclass(frozen=True, eq=False)
 class _Features:
     """One call's masking band and optional features, as the kernels take them (see triton_kernels)."""
@@ -327,18 +342,23 @@ def _compile_backward_ahead(q, k, v, o, lse, scale, precision, cfg: _Cfg, kernel
     if INTERPRET:
         return []
 
-    def launches():  # dQ, dK, dV and D as the backward allocates them
-        like = [torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v)]
-        return _bwd_launches(o, q, k, v, o, lse, torch.empty_like(lse), *like, scale, precision, cfg, kernels, feats)
+    # The backward runs on dense copies (_dense): compile for those, reusing them as dO, dQ, dK and dV,
+    # which have their layouts (a warm-up only reads the layouts).
+    dense = [torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v, o)]
 
-    return warm.ahead(_bwd_key(q, k, v, o, precision, cfg, kernels, feats), launches, q.device)
+    def launches():
+        qd, kd, vd, od = dense
+        return _bwd_launches(od, qd, kd, vd, od, lse, torch.empty_like(lse), qd, kd, vd, scale, precision, cfg,
+                             kernels, feats)
+
+    return warm.ahead(_bwd_key(*dense, precision, cfg, kernels, feats), launches, q.device)
 
 
 def _backward(do, q, k, v, o, lse, align, scale, precision, cfg: _Cfg, kernels=K, out=None,
               feats: _Features | None = None, compiling=()):
     """(dq, dk, dv, dsinks or None). out=(delta, dq, dk, dv) writes into given buffers (the reliability
     tests pass NaN-filled ones). ``compiling``: the futures of compiles started by the forward."""
-    do = _last_dim_contiguous(do)
+    do, q, k, v, o = (_dense(x) for x in (do, q, k, v, o))
     feats = feats or _features(q, k, align)
     if out is None:
         delta = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
@@ -349,9 +369,8 @@ def _backward(do, q, k, v, o, lse, align, scale, precision, cfg: _Cfg, kernels=K
         delta, dq, dk, dvv = out
     launches = _bwd_launches(do, q, k, v, o, lse, delta, dq, dk, dvv, scale, precision, cfg, kernels, feats)
     warm.wait(compiling)
-    if not INTERPRET:  # a layout the forward did not foresee: its three kernels compile at once
-        key = _bwd_key(q, k, v, o, precision, cfg, kernels, feats) + (do.stride(), do.data_ptr() % 16)
-        warm.wait(warm.ahead(key, lambda: launches, q.device))
+    if not INTERPRET:  # a call the forward did not foresee (out=): its three kernels compile at once
+        warm.wait(warm.ahead(_bwd_key(q, k, v, o, precision, cfg, kernels, feats), lambda: launches, q.device))
     for kernel, grid_fn, c, args, kwargs in launches:
         _launch(kernel, grid_fn, c, *args, **kwargs)
     dsinks = None if feats.sinks is None else _sink_grad(feats.sinks, lse, delta)
