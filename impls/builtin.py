@@ -1,4 +1,8 @@
-"""Imports every built-in implementation that can load here; each module registers itself.
+"""The built-in implementations, by module: each module registers its own on import.
+
+``NAMES`` and ``UNAVAILABLE`` import every module, the first time either is read; ``load(name)``
+imports only the module that provides one name, as ``--impl NAME`` needs (importing JAX and probing
+every SDPA backend costs a pytest process seconds of start-up on a GPU machine).
 
 A module whose import fails (no torch, no triton, or a bug of ours) is left out rather
 than failing collection, and so is an SDPA backend whose probe call fails; each one left
@@ -36,4 +40,22 @@ def load_modules(modules=MODULES):
     return names, unavailable
 
 
-NAMES, UNAVAILABLE = load_modules()
+def module_of(name: str):
+    """The (module, names) entry of MODULES that provides ``name``, or None."""
+    return next((entry for entry in MODULES if name in entry[1]), None)
+
+
+def load(name: str):
+    """Import the module that provides ``name``; return (whether it registered, why not or None)."""
+    entry = module_of(name)
+    if entry is None:
+        return False, None
+    names, unavailable = load_modules([entry])
+    return name in names and name not in unavailable, unavailable.get(name)
+
+
+def __getattr__(attr):  # NAMES and UNAVAILABLE, computed once, when first read
+    if attr in ("NAMES", "UNAVAILABLE"):
+        globals()["NAMES"], globals()["UNAVAILABLE"] = load_modules()
+        return globals()[attr]
+    raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")

@@ -347,6 +347,22 @@ def test_each_builtin_implementation_loads_here_or_says_why(name):
     assert name in {i.name for i in builtins()}, f"{name} neither loaded nor said why"
 
 
+def test_a_builtin_by_name_imports_its_own_module_only():
+    import subprocess
+
+    code = ("import sys; from flashcheck.contract import load; load('numpy-dense'); "
+            "print(sorted(m for m in sys.modules if m.startswith('flashcheck.impls.') and m != 'flashcheck.impls.builtin'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "['flashcheck.impls.numpy_ref']", f"expected only numpy_ref imported, got {out.strip()}"
+
+
+def test_an_unavailable_builtin_by_name_says_why(monkeypatch):
+    monkeypatch.setitem(sys.modules, "jax", None)  # "import jax" now raises ImportError, as where it is missing
+    monkeypatch.delitem(sys.modules, "flashcheck.impls.jax_attn", raising=False)
+    with pytest.raises(ContractError, match="jax-xla.*unavailable here.*needs jax"):
+        load("jax-xla")
+
+
 def test_a_builtin_module_that_fails_to_import_is_reported_with_its_error():
     names, unavailable = builtin.load_modules([("flashcheck.impls.numpy_ref", ["numpy-dense"]),
                                                ("flashcheck.impls.no_such_module_here", ["ghost-a", "ghost-b"])])

@@ -19,11 +19,7 @@ def load(spec: str) -> Implementation:
     A bare name selects a built-in implementation (``--impl torch-tiled``).
     """
     if ":" not in spec and not spec.endswith(".py"):
-        named = {impl.name: impl for impl in builtins()}
-        if spec not in named:
-            raise ContractError(f"--impl {spec!r}: not a built-in implementation here ({', '.join(named)}); "
-                                "expected FILE.py:function, module:function or a built-in name")
-        return named[spec]
+        return _builtin(spec)
     target, sep, attr = spec.rpartition(":")
     if spec.endswith(".py") and not sep:
         found = _decorated(Path(spec))
@@ -94,6 +90,20 @@ def origin_of(impl: Implementation) -> dict:
     ``path``, and for module specs the ``module`` name and the sys.path ``root`` it imports from."""
     return ORIGINS.get(impl.name) or {"spec": impl.name, "path": None, "function": None, "module": None,
                                       "root": None}
+
+
+def _builtin(name: str) -> Implementation:
+    """A built-in by name, importing only its own module."""
+    from flashcheck.impls import builtin
+
+    loaded, why = builtin.load(name)
+    if loaded and name in REGISTRY:
+        return REGISTRY[name]
+    if why:
+        raise ContractError(f"--impl {name!r}: the built-in is unavailable here: {why}")
+    every = ", ".join(n for _, names in builtin.MODULES for n in names)
+    raise ContractError(f"--impl {name!r}: not a built-in implementation ({every}); "
+                        "expected FILE.py:function, module:function or a built-in name")
 
 
 def builtins() -> list[Implementation]:
