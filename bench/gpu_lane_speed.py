@@ -19,7 +19,8 @@ Every process runs the gpu profile from one --hypothesis-seed and one bucket see
 example database, and each (implementation, arm) pair its own empty Triton cache, so that no pair
 reuses another's compiles. A process still running after --window seconds is stopped; the
 examples it finished count (FLASHCHECK_TIMING_LOG, flashcheck/timing.py). Prints one row per
-pair: tests finished, examples, seconds, examples per second, then where both halves' seconds went
+pair: tests finished, examples, seconds, examples per second (and per second busy: a half that
+finishes its tests before the window sits idle for the rest of it), then where both halves' seconds went
 (Triton's JIT; the rest of the tests' own time, mostly the examples; outside any test: start-up and
 collection), the examples per second the pair would reach with every kernel already compiled, and
 failures; then the speed-ups. Logs and the JSON lines go to DIR. The whole run takes the window plus about a
@@ -142,20 +143,24 @@ def summarize(runs, out: Path, night: int):
         p["stopped"] += r["stopped"]
     lines = [f"night {night + 1}" + (" (each pair's Triton cache from the night before)" if night else " (empty caches)"),
              f"{'implementation':18} {'arm':7} {'tests':>5} {'examples':>8} {'seconds':>7} {'ex/s':>6} "
-             f"{'jit s':>7} {'other s':>7} {'rest s':>6} {'no-jit ex/s':>11} {'failed':>6}  stopped"]
+             f"{'busy/s':>6} {'jit s':>7} {'other s':>7} {'rest s':>6} {'no-jit ex/s':>11} {'failed':>6}  stopped"]
     for (impl, arm), p in sorted(pairs.items()):
         p["rate"] = p["examples"] / p["seconds"] if p["seconds"] else 0.0
+        # a half that finishes its tests before the window idles for the rest of it, which ex/s counts:
+        # busy/s is the examples per second of the two halves' own run time, times two
+        p["busy_rate"] = 2 * p["examples"] / p["span"] if p["span"] else 0.0
         # seconds of both halves: compiling, the rest of the tests' own time, outside any test (start-up)
         other, rest = p["in_tests"] - p["jit"], p["span"] - p["in_tests"]
         ceiling = p["examples"] / p["no_jit"] if p["no_jit"] > 0 else 0.0
         lines.append(f"{impl:18} {arm:7} {p['tests']:5d} {p['examples']:8d} {p['seconds']:7.0f} "
-                     f"{p['rate']:6.2f} {p['jit']:7.0f} {other:7.0f} {rest:6.0f} {ceiling:11.2f} {p['failed']:6d}  "
+                     f"{p['rate']:6.2f} {p['busy_rate']:6.2f} {p['jit']:7.0f} {other:7.0f} {rest:6.0f} {ceiling:11.2f} {p['failed']:6d}  "
                      f"{p['stopped']} of 2 halves at the window")
     for impl in IMPLS:
         for base in ("before", "then"):
             old, now = pairs.get((impl, base)), pairs.get((impl, "now"))
             if old and now and old["rate"]:
-                lines.append(f"{impl}: now {now['rate'] / old['rate']:.1f}x the examples per second of {base}")
+                lines.append(f"{impl}: now {now['rate'] / old['rate']:.1f}x the examples per second of {base} "
+                             f"({now['busy_rate'] / old['busy_rate']:.1f}x per second busy)")
     for (impl, arm), p in sorted(pairs.items()):
         lines += [f"  failed ({impl}, {arm}): {t}" for t in p["failures"]]
     (out / f"speed-night{night + 1}.json").write_text(json.dumps({f"{i} {a}": p for (i, a), p in pairs.items()},
