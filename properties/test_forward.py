@@ -67,8 +67,39 @@ def test_rows_that_see_no_key_give_zero_and_minus_inf(impl, case):
 
 def _visible_range(vis, v):
     """Per row, the least and the greatest value among the keys it sees (0 where it sees none), for
-    v (B, H, Sk, Dv) and vis (Sq, Sk): (B, H, Sq, Dv) each. Rows that see the same keys share one
-    computation, the others go in chunks: all (Sq, Sk, Dv) comparisons at once held gigabytes."""
+    v (B, H, Sk, Dv) and vis (Sq, Sk): (B, H, Sq, Dv) each. Rows that each see one run of keys (every
+    band: causal, a window) take it from a table of runs; other masks go row set by row set."""
+    sees = vis.any(axis=1)
+    first = np.argmax(vis, axis=1)
+    last = vis.shape[1] - 1 - np.argmax(vis[:, ::-1], axis=1)
+    if np.array_equal(vis.sum(axis=1), np.where(sees, last - first + 1, 0)):
+        return _run_range(first, last, sees, v)
+    return _masked_range(vis, v)
+
+
+def _run_range(first, last, sees, v):
+    """Min and max over keys first..last of each row, from the min and max of every run of 2^j keys
+    (a sparse table): two overlapping runs of the same length cover each row's run."""
+    tables = [(v, v)]
+    while 2 ** len(tables) <= v.shape[2]:
+        k = 2 ** (len(tables) - 1)
+        lo, hi = tables[-1]
+        tables.append((np.minimum(lo[:, :, :-k], lo[:, :, k:]), np.maximum(hi[:, :, :-k], hi[:, :, k:])))
+    b, h, _, dv = v.shape
+    out_lo, out_hi = np.zeros((b, h, len(first), dv)), np.zeros((b, h, len(first), dv))
+    level = np.frexp(np.maximum(last - first + 1, 1))[1] - 1  # floor(log2(run length)), exactly
+    for j in np.unique(level[sees]):
+        rows = np.flatnonzero(sees & (level == j))
+        a, z = first[rows], last[rows] - 2 ** j + 1
+        lo, hi = tables[j]
+        out_lo[:, :, rows] = np.minimum(lo[:, :, a], lo[:, :, z])
+        out_hi[:, :, rows] = np.maximum(hi[:, :, a], hi[:, :, z])
+    return out_lo, out_hi
+
+
+def _masked_range(vis, v):
+    """_visible_range for any mask. Rows that see the same keys share one computation, the others go
+    in chunks: all (Sq, Sk, Dv) comparisons at once held gigabytes."""
     rows, which = np.unique(vis, axis=0, return_inverse=True)
     b, h, sk, dv = v.shape
     lo, hi = np.zeros((b, h, len(rows), dv)), np.zeros((b, h, len(rows), dv))

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from flashcheck import oracle as orc
 from flashcheck import strategies as fs
 from flashcheck.properties import helpers as ph
+from flashcheck.properties import test_forward as forward_props  # its helpers, tested here
 from flashcheck.oracle.rounding import HALF
 from flashcheck.strategies import AttentionCase as Case
 from flashcheck.strategies import context
@@ -186,6 +187,27 @@ def test_a_per_tile_bug_shrinks_to_the_smallest_tile_that_shows_it():
     # the smallest tile that shows it: 2 keys in one key tile, or 2 rows in one query tile
     assert (shrunk.block_k, shrunk.sk) == (2, 2) or (shrunk.block_q, shrunk.sq) == (2, 2), (
         f"expected a tile of 2 keys over 2 keys or of 2 rows over 2 rows, shrank to {shrunk!r}")
+
+
+@st.composite
+def masks(draw):
+    """A band (a causal diagonal, a window of any width, rows that see nothing) or any mask."""
+    sq, sk = draw(st.integers(1, 40)), draw(st.integers(1, 40))
+    i, j = np.arange(sq)[:, None], np.arange(sk)[None, :]
+    if draw(st.booleans()):
+        right = draw(st.integers(-sq - 1, sk + 1))
+        return (j <= i + right) & (j >= i + right - draw(st.integers(0, sk + 1)))
+    return np.array(draw(st.lists(st.lists(st.booleans(), min_size=sk, max_size=sk), min_size=sq, max_size=sq)))
+
+
+@given(vis=masks(), seed=st.integers(0, 2**32 - 1))
+def test_the_visible_range_from_runs_equals_the_one_from_the_mask(vis, seed):
+    """test_forward's min and max over each row's keys: the table of runs (bands) gives what the
+    masked comparison gives, and any other mask takes the masked comparison."""
+    v = np.random.default_rng(seed).standard_normal((2, 3, vis.shape[1], 5))
+    fast, slow = forward_props._visible_range(vis, v), forward_props._masked_range(vis, v)
+    for name, a, b in zip(("min", "max"), fast, slow):
+        assert np.array_equal(a, b), f"expected the masked {name} per row, got another at {np.argwhere(a != b)[:3]}"
 
 
 def test_oracle_floor_admits_an_exact_answer_when_dense_error_is_zero():
