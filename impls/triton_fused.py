@@ -331,10 +331,11 @@ def _bwd_launches(do, q, k, v, o, lse, delta, dq, dk, dvv, scale, precision, cfg
 
 
 def _bwd_key(q, k, v, o, precision, cfg: _Cfg, kernels, feats: _Features):
-    """What the backward's compiles depend on (more finely than Triton's own keys: exact shapes)."""
+    """What the backward's compiles depend on (more finely than Triton's own keys: exact shapes). Its
+    tensors are dense (_dense), so their shapes give their strides and alignment."""
     return (id(kernels), q.device, precision, tuple(cfg.dkdv), tuple(cfg.dq), feats.causal, feats.left,
             feats.softcap > 0, None if feats.slopes is None else feats.slopes.ndim,
-            *((x.dtype, x.data_ptr() % 16, tuple(x.shape), x.stride()) for x in (q, k, v, o)))
+            *((x.dtype, tuple(x.shape)) for x in (q, k, v, o)))
 
 
 def _compile_backward_ahead(q, k, v, o, lse, scale, precision, cfg: _Cfg, kernels, feats: _Features) -> list:
@@ -342,16 +343,12 @@ def _compile_backward_ahead(q, k, v, o, lse, scale, precision, cfg: _Cfg, kernel
     if INTERPRET:
         return []
 
-    # The backward runs on dense copies (_dense): compile for those, reusing them as dO, dQ, dK and dV,
-    # which have their layouts (a warm-up only reads the layouts).
-    dense = [torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v, o)]
-
-    def launches():
-        qd, kd, vd, od = dense
+    def launches():  # on dense tensors, as the backward runs: they stand in for dO, dQ, dK and dV too
+        qd, kd, vd, od = (torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v, o))
         return _bwd_launches(od, qd, kd, vd, od, lse, torch.empty_like(lse), qd, kd, vd, scale, precision, cfg,
                              kernels, feats)
 
-    return warm.ahead(_bwd_key(*dense, precision, cfg, kernels, feats), launches, q.device)
+    return warm.ahead(_bwd_key(q, k, v, o, precision, cfg, kernels, feats), launches, q.device)
 
 
 def _backward(do, q, k, v, o, lse, align, scale, precision, cfg: _Cfg, kernels=K, out=None,
