@@ -366,7 +366,7 @@ def _backward(do, q, k, v, o, lse, align, scale, precision, cfg: _Cfg, kernels=K
         delta, dq, dk, dvv = out
     launches = _bwd_launches(do, q, k, v, o, lse, delta, dq, dk, dvv, scale, precision, cfg, kernels, feats)
     warm.wait(compiling)
-    if not INTERPRET:  # a call the forward did not foresee (out=): its three kernels compile at once
+    if not INTERPRET:  # a forward that compiled nothing ahead (a backward called alone): compile all three at once
         warm.wait(warm.ahead(_bwd_key(q, k, v, o, precision, cfg, kernels, feats), lambda: launches, q.device))
     for kernel, grid_fn, c, args, kwargs in launches:
         _launch(kernel, grid_fn, c, *args, **kwargs)
