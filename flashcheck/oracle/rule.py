@@ -40,7 +40,9 @@ row that sees no key, an fp16 gradient past 65504) must be matched exactly.
 """
 from __future__ import annotations
 
+import collections
 import functools
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -98,20 +100,46 @@ class _Parts:
     added: np.ndarray | None = None  # what the features add to each logit, in magnitude (reference._logits)
 
 
-def _cached(maxsize: int, *, precision: bool = True):
-    """lru_cache keyed on the case without what the result does not read: the block sizes (no bound
-    depends on a tiling), and for the float64 truth and its parts the precision too. So every kernel
-    and tiling of one problem in a process shares one truth."""
+# Score entries (B Hq Sq Sk) that one cache of O(Sq Sk) intermediates holds at once: one 2048 x 2048
+# problem of two heads. Held by count alone, 32 of them grew a process by 390 MB per long case (to
+# 12 GB, eight such processes on one GPU host), and every long case then took 1.8x as long on fresh
+# pages. A case is asked for again within its example (every kernel and tiling of one problem, the
+# bias check, the report), rarely after it: the newest case is always kept.
+HELD_SCORES = 1 << 23
+
+
+def _weight(case) -> int:
+    return case.batch * case.hq * max(case.sq, 1) * max(case.sk, 1)
+
+
+def _cached(maxsize: int, *, precision: bool = True, large: bool = False):
+    """An LRU cache keyed on the case without what the result does not read: the block sizes (no
+    bound depends on a tiling), and for the float64 truth and its parts the precision too. So every
+    kernel and tiling of one problem in a process shares one truth. ``large``: the results are
+    O(Sq Sk), and the cache also holds at most HELD_SCORES score entries of cases."""
     drop = {"block_q": 16, "block_k": 16} | ({} if precision else {"precision": "fused"})
 
     def wrap(fn):
-        cached = functools.lru_cache(maxsize=maxsize)(fn)
+        held: collections.OrderedDict = collections.OrderedDict()  # least recently used first
+        lock = threading.Lock()
 
         @functools.wraps(fn)
         def keyed(case, *args):
-            return cached(case.replace(**drop), *args)
+            key = (case.replace(**drop),) + args
+            with lock:
+                if key in held:
+                    held.move_to_end(key)
+                    return held[key]
+            value = fn(*key)
+            with lock:
+                held[key] = value
+                weight = sum(_weight(k[0]) for k in held) if large else 0
+                while len(held) > 1 and (len(held) > maxsize or weight > HELD_SCORES):
+                    (oldest, *_), _ = held.popitem(last=False)
+                    weight -= _weight(oldest) if large else 0
+            return value
 
-        keyed.cache_clear = cached.cache_clear
+        keyed.cache_clear = held.clear
         return keyed
 
     return wrap
@@ -122,14 +150,14 @@ def _group(case, x):
     return x.reshape((case.batch, case.hkv, case.hq // case.hkv) + x.shape[2:])
 
 
-@_cached(32, precision=False)
+@_cached(32, precision=False, large=True)
 def _probs(case: AttentionCase):
     """The reference's softmax probabilities, computed once for the parts and the truth."""
     q, k, v, _ = case.inputs()
     return reference.dense_probs(q, k, v, who="oracle", **case.reference_kwargs())
 
 
-@_cached(32, precision=False)
+@_cached(32, precision=False, large=True)
 def _parts(case: AttentionCase) -> _Parts:
     _, _, _, do = case.inputs()
     p, lse, (qg, kg, vg, sc, _), extra = _probs(case)
@@ -137,7 +165,7 @@ def _parts(case: AttentionCase) -> _Parts:
     return _Parts(qg, kg, vg, _group(case, do), s, p, p @ vg, lse, sc, extra["psink"], extra["added"])
 
 
-@_cached(32, precision=False)
+@_cached(32, precision=False, large=True)
 def _dscores(case: AttentionCase):
     """(dP, dP - D, dS = P (dP - D)) in float64, grouped as _parts: the bounds and the bias check share them."""
     pt = _parts(case)
@@ -238,7 +266,7 @@ def _swap(x):
     return np.swapaxes(x, -1, -2)
 
 
-@_cached(32)
+@_cached(32, large=True)
 def _rounding_bounds(case: AttentionCase) -> dict:
     """The rounding terms of the rule (module doc, bounds.py), per entry, for every result."""
     with np.errstate(over="ignore"):  # squares of heavy-tailed float32 terms: an infinite variance is honest
