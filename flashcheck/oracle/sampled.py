@@ -100,8 +100,7 @@ def allowed(case: AttentionCase, name: str, rows: np.ndarray, truth=None, terms=
     _refuse(case, name, rows)
     if truth is None or terms is None:
         truth, terms = parts(case, rows, inputs)
-    floor = rule.half_spacing(truth[name], rule.result_dtype(case.dtype, name)) * (1 + 2 * rule.ULP_FLOOR)
-    return terms[name] + floor
+    return rule.with_output_rounding(case, name, truth[name], terms[name])
 
 
 def entries(case: AttentionCase, name: str, got: np.ndarray, rows: np.ndarray, inputs=None, parts_=None) -> rule.Entries:
