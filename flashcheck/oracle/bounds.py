@@ -328,7 +328,8 @@ def _dscores(case, s: Scores, u: Units, dscores, o_terms, half_spacing, out_fmt)
     p, ado, ao, sk, dv = s.p, s.ado, s.ao, case.sk, s.v.shape[-1]
     o_worst, o_var, _ = o_terms
     a_ds = np.abs(ds)
-    o_round = half_spacing(np.abs(s.o) + o_worst, out_fmt)  # at the largest O before it rounds (rule.with_output_rounding)
+    # O's rounding to t, at the largest O a kernel may hold before it rounds (rule.with_output_rounding)
+    o_round = half_spacing(np.abs(s.o) + o_worst, out_fmt)
     # A kernel may also compute D as rowsum(P * dP) (autograd's softmax backward): its error is then
     # that sum's, u sum_j P_ij |dP_ij|. Autograd through an online softmax also leaves the running
     # max a gradient that is zero only up to that much, and hands it to one key (the argmax).

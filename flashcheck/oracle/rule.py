@@ -101,8 +101,8 @@ class _Parts:
 
 
 # Score entries (B Hq Sq Sk) that one cache of O(Sq Sk) intermediates holds at once: one 2048 x 2048
-# problem of two heads. Held by count alone, 32 of them grew a process by 390 MB per long case (to
-# 12 GB, eight such processes on one GPU host), and every long case then took 1.8x as long on fresh
+# problem of two heads. Held by count alone (32), they grew a process by 390 MB per long case (up to
+# 12 GB, with eight such processes on one GPU host), and long cases took up to 2x as long on fresh
 # pages. A case is asked for again within its example (every kernel and tiling of one problem, the
 # bias check, the report), rarely after it: the newest case is always kept.
 HELD_SCORES = 1 << 23
