@@ -1,4 +1,4 @@
-"""Fused FlashAttention in Triton: forward, backward (preprocess, dK/dV, dQ) and the autograd glue.
+"""Fused FlashAttention in Triton: forward, backward (dQ with delta, then dK/dV) and the autograd glue.
 
 ``attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, alibi_slopes=None, sinks=None,
 block_q=None, block_k=None, precision="ieee")``
@@ -40,7 +40,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -192,7 +192,7 @@ def _last_dim_contiguous(x):
 def _dense(x):
     """x itself where it is contiguous, with the strides a fresh tensor of its shape has, at a 16-byte
     aligned address; else a contiguous copy. Triton specializes a kernel on the 16-divisibility of every
-    stride and pointer, so a view's layout would compile the backward's three kernels again for each
+    stride and pointer, so a view's layout would compile the backward's kernels again for each
     layout met: on dense copies they depend on the shape alone. A copy reads and writes the tensor once,
     little beside the backward's quadratic work."""
     stride, n = [], 1
@@ -216,6 +216,7 @@ class _Features:
     softcap: float = 0.0
     slopes: torch.Tensor | None = None
     sinks: torch.Tensor | None = None
+    general: bool = False  # the general build (GENERAL_SCORES)
 
     def kernel_args(self, dummy, with_sinks=True):
         """Keyword arguments of the kernels; ``dummy`` (a float32 tensor) fills unused pointers."""
@@ -228,9 +229,41 @@ class _Features:
         return args
 
 
-def one_loop(q, precision) -> dict:
-    """The kernels' ONE_LOOP flag: IEEE float32 runs every tile through the masked loop (triton_kernels)."""
-    return dict(ONE_LOOP=q.dtype == torch.float32 and precision == "ieee")
+def one_loop(q, precision, feats: _Features | None = None) -> dict:
+    """The kernels' ONE_LOOP flag: IEEE float32 and the general build run every tile through the masked
+    loop (triton_kernels)."""
+    return dict(ONE_LOOP=(feats is not None and feats.general) or (q.dtype == torch.float32 and precision == "ieee"))
+
+
+def _pads(d, dv, feats: _Features) -> dict:
+    """The head dims' padding; the general build masks the columns whether or not there is padding."""
+    dpad, dvpad = _pad(d), _pad(dv)
+    return dict(D_PAD=dpad, DV_PAD=dvpad, PAD_D=feats.general or dpad != d, PAD_DV=feats.general or dvpad != dv)
+
+
+# The general build. A call of at most GENERAL_SCORES score entries (B * Hq * Sq * Sk) runs in
+# microseconds, less than its launches, and compiling a build for it takes seconds. Such calls run one
+# build per dtype, tiles, padded head dims and feature: the band always on (a right edge at the last key
+# where there is no causal mask or window edge, a left edge before the first key where there is none),
+# every tile through the masked loop, the head dims' columns masked, and no integer or pointer
+# specialized (triton_kernels._unspecialized). A run of many small shapes (a test suite's, a server's)
+# then compiles each of those once instead of once per causal flag, window edge, exact or padded head
+# dim, and 16-divisible or unit stride, length or head count. Larger calls keep the specialized build. Under the
+# interpreter every call takes the specialized build unless asked (general=True): it is the one the
+# CPU lane and the mutants test, and tests/test_triton_band.py tests the general one.
+GENERAL_SCORES = 0 if INTERPRET else 1 << 20
+
+
+def _kernel(kernels, name, feats: _Features):
+    """Kernel ``name`` of module ``kernels``, in its unspecialized build for the general build's calls."""
+    return getattr(kernels, name + "_general") if feats.general else getattr(kernels, name)
+
+
+def _general(feats: _Features, sq, sk) -> _Features:
+    """``feats`` as the general build takes them: both edges of the band on, where they hide nothing."""
+    off = min(feats.off, sk) if feats.causal else sk  # j <= i + Sk: every key
+    loff = feats.loff if feats.left else -sq  # j >= i - Sq: every key
+    return replace(feats, causal=True, off=off, left=True, loff=loff, general=True)
 
 
 def _is_int(x):
@@ -291,43 +324,39 @@ def _forward(q, k, v, align, scale, precision, cfg: _Cfg, kernels=K, out=None, f
     """out=(o, lse) writes into given buffers (the reliability tests pass NaN-filled ones)."""
     b, hq, sq, d = q.shape
     hkv, sk, dv = k.shape[1], k.shape[2], v.shape[3]
-    dpad, dvpad = _pad(d), _pad(dv)
     if out is None:
         o = torch.empty((b, hq, sq, dv), device=q.device, dtype=q.dtype)
         lse = torch.empty((b, hq, sq), device=q.device, dtype=torch.float32)
     else:
         o, lse = out
     feats = feats or _features(q, k, align)
-    _launch(kernels.attn_fwd, lambda bm, bn: (triton.cdiv(sq, bm), hq, b), cfg.fwd,
+    _launch(_kernel(kernels, "attn_fwd", feats), lambda bm, bn: (triton.cdiv(sq, bm), hq, b), cfg.fwd,
             q, k, v, o, lse,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
             hq, hq // hkv, sq, sk, d, dv, feats.off, scale * K.LOG2E_F, **feats.kernel_args(lse),
-            D_PAD=dpad, DV_PAD=dvpad, PAD_D=dpad != d, PAD_DV=dvpad != dv, DOT_PREC=precision,
-            **one_loop(q, precision))
+            **_pads(d, dv, feats), DOT_PREC=precision, **one_loop(q, precision, feats))
     return o, lse
 
 
 def _bwd_launches(do, q, k, v, o, lse, delta, dq, dk, dvv, scale, precision, cfg: _Cfg, kernels, feats: _Features):
-    """The backward's launches in order, as (kernel, grid_fn, cfg, args, keyword arguments)."""
+    """The backward's launches in order, as (kernel, grid_fn, cfg, args, keyword arguments): dQ first, as it
+    stores the delta = rowsum(dO * O) that dK/dV reads."""
     b, hq, sq, d = q.shape
     hkv, sk, dv = k.shape[1], k.shape[2], v.shape[3]
-    dpad, dvpad = _pad(d), _pad(dv)
-    pre = [16 if INTERPRET else 64, None, 4, 3]  # Triton's default warps and stages
-    common = dict(**feats.kernel_args(lse, with_sinks=False), D_PAD=dpad, DV_PAD=dvpad, PAD_D=dpad != d,
-                  PAD_DV=dvpad != dv, DOT_PREC=precision, **one_loop(q, precision))
+    common = dict(**feats.kernel_args(lse, with_sinks=False), **_pads(d, dv, feats), DOT_PREC=precision,
+                  **one_loop(q, precision, feats))
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-               v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2))
-    return [(kernels.attn_bwd_preprocess, lambda bm, bn: (triton.cdiv(sq, bm), hq, b), pre,
-             (o, do, delta, o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
-              hq, sq, dv), dict(DV_PAD=dvpad, PAD_DV=dvpad != dv)),
-            (kernels.attn_bwd_dkdv, lambda bm, bn: (triton.cdiv(sk, bn), hkv, b), cfg.dkdv,
-             (q, k, v, do, lse, delta, dk, dvv, *strides, dk.stride(0), dk.stride(1), dk.stride(2),
-              dvv.stride(0), dvv.stride(1), dvv.stride(2), hq, hkv, hq // hkv, sq, sk, d, dv, feats.off,
+               v.stride(0), v.stride(1), v.stride(2))
+    do_strides = (do.stride(0), do.stride(1), do.stride(2))
+    return [(_kernel(kernels, "attn_bwd_dq", feats), lambda bm, bn: (triton.cdiv(sq, bm), hq, b), cfg.dq,
+             (q, k, v, o, do, lse, delta, dq, *strides, o.stride(0), o.stride(1), o.stride(2), *do_strides,
+              dq.stride(0), dq.stride(1), dq.stride(2), hq, hq // hkv, sq, sk, d, dv, feats.off,
               scale * K.LOG2E_F, scale), common),
-            (kernels.attn_bwd_dq, lambda bm, bn: (triton.cdiv(sq, bm), hq, b), cfg.dq,
-             (q, k, v, do, lse, delta, dq, *strides, dq.stride(0), dq.stride(1), dq.stride(2),
-              hq, hq // hkv, sq, sk, d, dv, feats.off, scale * K.LOG2E_F, scale), common)]
+            (_kernel(kernels, "attn_bwd_dkdv", feats), lambda bm, bn: (triton.cdiv(sk, bn), hkv, b), cfg.dkdv,
+             (q, k, v, do, lse, delta, dk, dvv, *strides, *do_strides, dk.stride(0), dk.stride(1), dk.stride(2),
+              dvv.stride(0), dvv.stride(1), dvv.stride(2), hq, hkv, hq // hkv, sq, sk, d, dv, feats.off,
+              scale * K.LOG2E_F, scale), common)]
 
 
 def _bwd_key(q, k, v, o, precision, cfg: _Cfg, kernels, feats: _Features):
@@ -366,7 +395,7 @@ def _backward(do, q, k, v, o, lse, align, scale, precision, cfg: _Cfg, kernels=K
         delta, dq, dk, dvv = out
     launches = _bwd_launches(do, q, k, v, o, lse, delta, dq, dk, dvv, scale, precision, cfg, kernels, feats)
     warm.wait(compiling)
-    if not INTERPRET:  # a forward that compiled nothing ahead (a backward called alone): compile all three at once
+    if not INTERPRET:  # a forward that compiled nothing ahead (a backward called alone): compile both at once
         warm.wait(warm.ahead(_bwd_key(q, k, v, o, precision, cfg, kernels, feats), lambda: launches, q.device))
     for kernel, grid_fn, c, args, kwargs in launches:
         _launch(kernel, grid_fn, c, *args, **kwargs)
@@ -395,10 +424,11 @@ class _FlashAttention(torch.autograd.Function):
 
 
 def flash_attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, alibi_slopes=None,
-                    sinks=None, block_q=None, block_k=None, precision="ieee", configs=None, kernels=K):
+                    sinks=None, block_q=None, block_k=None, precision="ieee", configs=None, kernels=K, general=None):
     """The full entry point. ``configs`` overrides launch parameters per kernel, e.g.
     ``{"fwd": (128, 64, 8, 3)}`` as (BLOCK_M, BLOCK_N, num_warps, num_stages) (used by the benchmark);
-    ``kernels`` is the module the Triton kernels come from (a mutant's build)."""
+    ``kernels`` is the module the Triton kernels come from (a mutant's build); ``general`` picks the
+    general build (True) or the specialized one (False) instead of by size (GENERAL_SCORES)."""
     b, hq, hkv, sq, sk, d, dv = check_inputs(q, k, v, dtypes=DTYPES, who=WHO)
     if INTERPRET and "bfloat16" in (dtype_name(q),):  # pragma: no cover  (check_inputs already refuses)
         raise TypeError(f"{WHO}: the Triton interpreter computes bfloat16 wrongly; not supported there")
@@ -417,6 +447,8 @@ def flash_attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0
     if not INTERPRET:
         cfg = _fit(cfg, q.element_size(), _pad(d), _pad(dv))
     feats = _features(q, k, align, window, softcap, alibi_slopes, sinks)
+    if general or general is None and b * hq * sq * sk <= GENERAL_SCORES:
+        feats = _general(feats, sq, sk)
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
     grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, feats.sinks) if x is not None)
     return _FlashAttention.apply(q, k, v, feats.sinks, align, scale, precision, cfg, kernels, feats, grad)

@@ -1,4 +1,4 @@
-"""Triton kernels of the fused FlashAttention (forward, backward preprocess, dK/dV, dQ).
+"""Triton kernels of the fused FlashAttention (forward; backward dQ, which also stores delta, then dK/dV).
 
 Layout and semantics are docs/design.md's: q (B, Hq, Sq, D), k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv);
 query head h reads key/value head h // G with G = Hq // Hkv.
@@ -299,29 +299,10 @@ def attn_fwd(Q, K, V, O, LSE,
 # ---------------------------------------------------------------------------------- backward
 
 @triton.jit
-def attn_bwd_preprocess(O, DO, DELTA, sob, soh, som, sdob, sdoh, sdom, Hq, Sq, Dv,
-                        BLOCK_M: tl.constexpr, DV_PAD: tl.constexpr, PAD_DV: tl.constexpr):
-    """delta[b, h, i] = rowsum(dO * O) in float32."""
-    pid_m = tl.program_id(0)
-    b = tl.program_id(2).to(tl.int64)  # grid (tiles, Hq, B), as attn_fwd's
-    h = tl.program_id(1).to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_dv = tl.arange(0, DV_PAD)
-    o = _load2d(O + b * sob + h * soh + offs_m[:, None] * som + offs_dv[None, :],
-                offs_m, Sq, offs_dv, Dv, True, PAD_DV).to(tl.float32)
-    do = _load2d(DO + b * sdob + h * sdoh + offs_m[:, None] * sdom + offs_dv[None, :],
-                 offs_m, Sq, offs_dv, Dv, True, PAD_DV).to(tl.float32)
-    delta = tl.sum(o * do, 1)
-    tl.store(DELTA + (b * Hq + h) * Sq + offs_m, delta, mask=offs_m < Sq)
-
-
-@triton.jit
-def _row_stats(LSE, DELTA, row_base, offs_m, Sq):
+def _row_lse2(LSE, row_base, offs_m, Sq):
     """Base-2 LSE per row with padded rows and rows that saw no key mapped to +inf (so P = 0)."""
     lse = tl.load(LSE + row_base + offs_m, mask=offs_m < Sq, other=float("inf"))
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E
-    delta = tl.load(DELTA + row_base + offs_m, mask=offs_m < Sq, other=0.0)
-    return lse2, delta
+    return tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E
 
 
 @triton.jit
@@ -337,7 +318,8 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, LSE, DELTA, row_base, sqm, sdom, 
         offs_m = start_m + offs_m0
         q = _load2d(q_base + offs_m[:, None] * sqm + offs_d[None, :], offs_m, Sq, offs_d, D, True, PAD_D)
         do = _load2d(do_base + offs_m[:, None] * sdom + offs_dv[None, :], offs_m, Sq, offs_dv, Dv, True, PAD_DV)
-        lse2, delta = _row_stats(LSE, DELTA, row_base, offs_m, Sq)
+        lse2 = _row_lse2(LSE, row_base, offs_m, Sq)
+        delta = tl.load(DELTA + row_base + offs_m, mask=offs_m < Sq, other=0.0)  # stored by attn_bwd_dq
         s_t, t_t = _logits(tl.dot(k, tl.trans(q), input_precision=DOT_PREC), offs_m[None, :], offs_n[:, None],
                            qk_scale, cap2, slope2, DIAG, SOFTCAP, ALIBI)  # (BLOCK_N, BLOCK_M)
         if MASKED:  # hidden scores go to -inf before exp2, so no inf is ever formed
@@ -463,15 +445,17 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, skn, svn, lo, hi, offs_m, 
 
 
 @triton.jit(do_not_specialize=FEATURE_INTS)
-def attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ,
-                sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdom, sdqb, sdqh, sdqm,
+def attn_bwd_dq(Q, K, V, O, DO, LSE, DELTA, DQ,
+                sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som, sdob, sdoh, sdom, sdqb, sdqh, sdqm,
                 Hq, G, Sq, Sk, D, Dv, OFF, qk_scale, sm_scale, LOFF, DIAG, cap2, SLOPES, ssb,
                 CAUSAL: tl.constexpr, LEFT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 D_PAD: tl.constexpr, DV_PAD: tl.constexpr, PAD_D: tl.constexpr, PAD_DV: tl.constexpr,
                 DOT_PREC: tl.constexpr, CU_Q=None, CU_K=None, TOP=0, IS_VARLEN: tl.constexpr = False,
                 ONE_LOOP: tl.constexpr = False):
-    """One program per (query tile, batch, query head): loops over the key tiles it sees."""
+    """One program per (query tile, batch, query head): loops over the key tiles it sees. It runs before
+    attn_bwd_dkdv and stores its rows' delta = rowsum(dO * O) for it: a kernel of its own for delta would
+    cost a launch per backward and, in a run of many shapes, a compile per shape."""
     pid_m = tl.program_id(0)
     if CAUSAL:
         pid_m = tl.num_programs(0) - 1 - pid_m
@@ -491,9 +475,11 @@ def attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ,
         OFF, LOFF, DIAG = _band(Sq, Sk, OFF, LOFF, TOP)
         q_off, do_off, k_off, v_off, dq_off = q_start * sqm, q_start * sdom, k_start * skn, k_start * svn, \
             q_start * sdqm
+        o_off = q_start * som
     else:
         row_base = (b * Hq + h) * Sq
         q_off, do_off, k_off, v_off, dq_off = b * sqb, b * sdob, b * skb, b * svb, b * sdqb
+        o_off = b * sob
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D_PAD)
     offs_dv = tl.arange(0, DV_PAD)
@@ -501,7 +487,11 @@ def attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ,
                 True, PAD_D)
     do = _load2d(DO + do_off + h * sdoh + offs_m[:, None] * sdom + offs_dv[None, :], offs_m, Sq, offs_dv, Dv,
                  True, PAD_DV)
-    lse2, delta = _row_stats(LSE, DELTA, row_base, offs_m, Sq)
+    o = _load2d(O + o_off + h * soh + offs_m[:, None] * som + offs_dv[None, :], offs_m, Sq, offs_dv, Dv,
+                True, PAD_DV)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(DELTA + row_base + offs_m, delta, mask=offs_m < Sq)
+    lse2 = _row_lse2(LSE, row_base, offs_m, Sq)
     slope2 = _slope(SLOPES, ssb, b, h, ALIBI)
     k_base = K + k_off + hk * skh
     v_base = V + v_off + hk * svh
@@ -530,3 +520,21 @@ def attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ,
     dq = dq * sm_scale
     _store2d(DQ + dq_off + h * sdqh + offs_m[:, None] * sdqm + offs_d[None, :], dq.to(DQ.dtype.element_ty),
              offs_m, Sq, offs_d, D, PAD_D)
+
+
+# ------------------------------------------------------------------------------- general build
+
+def _unspecialized(kernel):
+    """``kernel`` with none of its integers or pointers specialized (on 1, on 16-divisibility, on
+    alignment): one compile serves every shape, layout and alignment of a (dtype, tiles, flags)
+    combination. triton_fused runs its general build (small calls, GENERAL_SCORES) on these; at those
+    sizes a launch costs more than the loads that specialization would have vectorized."""
+    import inspect
+    names = [p.name for p in inspect.signature(kernel.fn).parameters.values()
+             if p.annotation is not tl.constexpr and p.default is not None]
+    return triton.jit(do_not_specialize=names, do_not_specialize_on_alignment=names)(kernel.fn)
+
+
+attn_fwd_general = _unspecialized(attn_fwd)
+attn_bwd_dq_general = _unspecialized(attn_bwd_dq)
+attn_bwd_dkdv_general = _unspecialized(attn_bwd_dkdv)

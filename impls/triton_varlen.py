@@ -9,11 +9,11 @@ or top-left), the window, ALiBi's distances and the sinks per sequence; alibi_sl
 A sequence may have no queries or no keys; a query row of a sequence without keys gets O = 0 and
 LSE = -inf (with sinks too). Gradients dq, dk, dv (and the sinks') come back through autograd.
 
-The same four kernels as triton-fused (impls/triton_kernels.py) with IS_VARLEN set: one launch per
+The same three kernels as triton-fused (impls/triton_kernels.py) with IS_VARLEN set: one launch per
 kernel for the whole batch, each program reading its sequence's offsets; the query/key tile axis of the
 grid covers the longest sequence, and a program whose tile starts past its own sequence returns at
-once. The backward preprocess needs no offsets: rowsum(dO * O) is per token, so it reads the packed
-tokens as one sequence of Tq. Tile sizes and launch settings are triton-fused's (its docstring).
+once. Tile sizes and launch settings are triton-fused's (its docstring); its general build for small
+calls is not used here.
 """
 from __future__ import annotations
 
@@ -90,24 +90,20 @@ def _backward(do, q, k, v, o, lse, cu, grid_q, grid_k, scale, precision, cfg, fe
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dvv = torch.empty_like(v, memory_format=torch.contiguous_format)
-    pre_bm = 16 if tf.INTERPRET else 64
-    # delta[h, t] = rowsum(dO * O): per token, so the packed batch is read as one sequence of Tq tokens
-    kernels.attn_bwd_preprocess[(triton.cdiv(tq, pre_bm), hq)](
-        o, do, delta, 0, o.stride(1), o.stride(0), 0, do.stride(1), do.stride(0),
-        hq, tq, dv, BLOCK_M=pre_bm, DV_PAD=dvpad, PAD_DV=dvpad != dv)
     common = dict(**feats.kernel_args(lse, with_sinks=False), D_PAD=dpad, DV_PAD=dvpad, PAD_D=dpad != d,
                   PAD_DV=dvpad != dv, DOT_PREC=precision, CU_Q=cu[0], CU_K=cu[1], TOP=top, IS_VARLEN=True,
                   **tf.one_loop(q, precision))
+    # dQ first: it stores delta = rowsum(dO * O), which dK/dV reads
+    tf._launch(kernels.attn_bwd_dq, lambda bm, bn: (triton.cdiv(grid_q, bm), hq, n), cfg.dq,
+               q, k, v, o, do, lse, delta, dq,
+               0, q.stride(1), q.stride(0), 0, k.stride(1), k.stride(0), 0, v.stride(1), v.stride(0),
+               0, o.stride(1), o.stride(0), 0, do.stride(1), do.stride(0), 0, dq.stride(1), dq.stride(0),
+               hq, hq // hkv, tq, tk, d, dv, feats.off, scale * K.LOG2E_F, scale, **common)
     tf._launch(kernels.attn_bwd_dkdv, lambda bm, bn: (triton.cdiv(grid_k, bn), hkv, n), cfg.dkdv,
                q, k, v, do, lse, delta, dk, dvv,
                0, q.stride(1), q.stride(0), 0, k.stride(1), k.stride(0), 0, v.stride(1), v.stride(0),
                0, do.stride(1), do.stride(0), 0, dk.stride(1), dk.stride(0), 0, dvv.stride(1), dvv.stride(0),
                hq, hkv, hq // hkv, tq, tk, d, dv, feats.off, scale * K.LOG2E_F, scale, **common)
-    tf._launch(kernels.attn_bwd_dq, lambda bm, bn: (triton.cdiv(grid_q, bm), hq, n), cfg.dq,
-               q, k, v, do, lse, delta, dq,
-               0, q.stride(1), q.stride(0), 0, k.stride(1), k.stride(0), 0, v.stride(1), v.stride(0),
-               0, do.stride(1), do.stride(0), 0, dq.stride(1), dq.stride(0),
-               hq, hq // hkv, tq, tk, d, dv, feats.off, scale * K.LOG2E_F, scale, **common)
     dsinks = None
     if feats.sinks is not None:  # -sum over tokens of exp(sink - LSE) * delta; 0 where LSE = -inf
         p = torch.exp(feats.sinks[:, None] - lse)

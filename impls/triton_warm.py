@@ -1,8 +1,8 @@
 """Compile the backward's kernels ahead of their launches, all at once, in threads.
 
 Triton compiles a kernel when it is first launched with a new set of compile-time values (dtype,
-block sizes, flags, the 16-divisibility of the integers and pointers). The backward launches three
-kernels in turn (preprocess, dK/dV, dQ), so a new shape used to compile them one after the other,
+block sizes, flags, the 16-divisibility of the integers and pointers). The backward launches two
+kernels in turn (dQ, dK/dV), so a new shape used to compile them one after the other,
 each after the forward's own compile. Most of a compile is spent in MLIR, LLVM and ptxas, which
 release the GIL: compiled in threads, they overlap each other and the forward's.
 
@@ -29,7 +29,7 @@ import threading
 
 import torch
 
-THREADS = 3  # the backward's three kernels
+THREADS = 2  # the backward's two kernels
 _POOL: list = []
 _SEEN: set = set()
 _LOCK = threading.Lock()

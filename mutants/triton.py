@@ -46,7 +46,8 @@ PATCHES = {
     "lse_base2": [('    lse = tl.where(seen, (m_i + tl.log2(l_safe)) * LN2, float("-inf"))  # back to natural log\n',
                    '    lse = tl.where(seen, m_i + tl.log2(l_safe), float("-inf"))\n', 1)],
     "drop_partial_tile": [("    return lo, hi\n", "    hi = tl.minimum(hi, (Sk // BLOCK_N) * BLOCK_N)\n    return lo, hi\n", 1)],
-    "bwd_no_delta": [("    delta = tl.sum(o * do, 1)\n", "    delta = tl.sum(o * do, 1) * 0.0\n", 1)],
+    "bwd_no_delta": [("    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)\n",
+                      "    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1) * 0.0\n", 1)],
     # i + Sk - Sq - left + 1: in the forward, the dQ kernel (after the slopes) and the dK/dV kernel
     "window_off_by_one": [("\n    slope2 = _slope(SLOPES, ssb, b, h, ALIBI)\n",
                            "\n    slope2 = _slope(SLOPES, ssb, b, h, ALIBI)\n    LOFF = LOFF + 1\n", 2),
@@ -61,8 +62,6 @@ PATCHES = {
     "int32_offsets": [
         ("    b = tl.program_id(2).to(tl.int64)\n    h = tl.program_id(1).to(tl.int64)\n",
          "    b = tl.program_id(2)\n    h = tl.program_id(1)\n", 2),
-        ("    b = tl.program_id(2).to(tl.int64)  # grid (tiles, Hq, B), as attn_fwd's\n    h = tl.program_id(1).to(tl.int64)\n",
-         "    b = tl.program_id(2)\n    h = tl.program_id(1)\n", 1),
         ("    b = tl.program_id(2).to(tl.int64)  # grid (key tiles, Hkv, B)\n    hk = tl.program_id(1).to(tl.int64)\n",
          "    b = tl.program_id(2)\n    hk = tl.program_id(1)\n", 1)],
 }
