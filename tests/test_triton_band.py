@@ -47,9 +47,9 @@ def test_the_general_build_gives_the_specialized_builds_results(causal, window, 
     """Small calls on a GPU run the general build (tf.GENERAL_SCORES): the band always on, one masked loop,
     the head dims' columns masked. Both edges and the padding left off must change nothing."""
     torch.manual_seed(1)
-    q = torch.randn(2, 4, 33, d, requires_grad=True)  # GQA, several tiles each way, partial last tiles
-    k, v = torch.randn(2, 2, 47, d, requires_grad=True), torch.randn(2, 2, 47, d, requires_grad=True)
-    do = torch.randn(2, 4, 33, d)
+    q = torch.randn(1, 4, 33, d, requires_grad=True)  # GQA, several tiles each way, partial last tiles
+    k, v = torch.randn(1, 2, 47, d, requires_grad=True), torch.randn(1, 2, 47, d, requires_grad=True)
+    do = torch.randn(1, 4, 33, d)
     out = {}
     for general in (False, True):
         o, lse = tf.flash_attention(q, k, v, causal=causal, window=window, block_q=16, block_k=32, general=general)
