@@ -248,7 +248,10 @@ def _pads(d, dv, feats: _Features) -> dict:
 # every tile through the masked loop, the head dims' columns masked, and no integer or pointer
 # specialized (triton_kernels._unspecialized). A run of many small shapes (a test suite's, a server's)
 # then compiles each of those once instead of once per causal flag, window edge, exact or padded head
-# dim, and 16-divisible or unit stride, length or head count. Larger calls keep the specialized build. Under the
+# dim, and 16-divisible or unit stride, length or head count. Larger calls keep the specialized build,
+# and so does IEEE float32 past D_PAD = 64: its FMA-path tiles at D_PAD = 128 need the specialized,
+# vectorized loads (general, its forward + backward ran 1.8x slower at 2^17 score entries and 3.8-5x at
+# 2^21 on an H100, where at D_PAD = 64 and in bfloat16 the two builds took the same time). Under the
 # interpreter every call takes the specialized build unless asked (general=True): it is the one the
 # CPU lane and the mutants test, and tests/test_triton_band.py tests the general one.
 GENERAL_SCORES = 0 if INTERPRET else 1 << 20
@@ -447,7 +450,8 @@ def flash_attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0
     if not INTERPRET:
         cfg = _fit(cfg, q.element_size(), _pad(d), _pad(dv))
     feats = _features(q, k, align, window, softcap, alibi_slopes, sinks)
-    if general or general is None and b * hq * sq * sk <= GENERAL_SCORES:
+    if general or general is None and b * hq * sq * sk <= GENERAL_SCORES and not (
+            dtype_name(q) == "float32" and precision == "ieee" and _pad(max(d, dv)) > 64):
         feats = _general(feats, sq, sk)
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
     grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, feats.sinks) if x is not None)
