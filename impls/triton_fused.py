@@ -119,6 +119,9 @@ def _config(block_q, block_k, dpad, overrides=None, fp32=False) -> _Cfg:
 
 SMEM_BUDGET = 227 * 1024  # bytes per program: the most an H100/H200 block may use
 FP32_WORK = 1 << 17  # BLOCK_M * BLOCK_N * D_PAD cap for IEEE float32 (FMA path: compile time grows with it)
+# The general build's float32 cap (GENERAL_SCORES): its calls are launch-bound, and at 2^17 its dK/dV took
+# 7-9 s to compile on a loaded H100 (D_PAD = 64 on 32 x 64 tiles, 128 on 32 x 32).
+GENERAL_FP32_WORK = 1 << 15
 
 
 def _smem(name, bm, bn, st, esize, dp, dvp):
@@ -131,7 +134,7 @@ def _smem(name, bm, bn, st, esize, dp, dvp):
     return esize * (bm * (dp + dvp) + max(st, 1) * bn * (dp + dvp))  # dq
 
 
-def _fit(cfg: _Cfg, esize, dp, dvp):
+def _fit(cfg: _Cfg, esize, dp, dvp, fp32_work=FP32_WORK):
     """Lower tiles that would not fit (stages first, then the larger block, never below 16), and cap
     float32 tiles, before anything is compiled: a compile that then fails costs seconds to minutes."""
     for name in ("fwd", "dkdv", "dq"):
@@ -139,7 +142,7 @@ def _fit(cfg: _Cfg, esize, dp, dvp):
         while True:
             bm, bn, w, st = c
             over = _smem(name, bm, bn, st, esize, dp, dvp) > SMEM_BUDGET or (
-                esize == 4 and bm * bn * max(dp, dvp) > FP32_WORK)
+                esize == 4 and bm * bn * max(dp, dvp) > fp32_work)
             if not over or max(bm, bn) <= 16 and st <= 1:
                 break
             if st > 2 or (st == 2 and max(bm, bn) <= 16):
@@ -446,12 +449,14 @@ def flash_attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0
                                 or blk & (blk - 1) or blk > 256):
             raise ValueError(f"{WHO}: {label} must be a power of two in 16..256, got {blk!r}")
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    cfg = _config(block_q, block_k, _pad(max(d, dv)), configs, fp32=dtype_name(q) == "float32")
+    fp32 = dtype_name(q) == "float32"
+    if general is None:
+        general = b * hq * sq * sk <= GENERAL_SCORES and not (fp32 and precision == "ieee" and _pad(max(d, dv)) > 64)
+    cfg = _config(block_q, block_k, _pad(max(d, dv)), configs, fp32=fp32)
     if not INTERPRET:
-        cfg = _fit(cfg, q.element_size(), _pad(d), _pad(dv))
+        cfg = _fit(cfg, q.element_size(), _pad(d), _pad(dv), GENERAL_FP32_WORK if general else FP32_WORK)
     feats = _features(q, k, align, window, softcap, alibi_slopes, sinks)
-    if general or general is None and b * hq * sq * sk <= GENERAL_SCORES and not (
-            dtype_name(q) == "float32" and precision == "ieee" and _pad(max(d, dv)) > 64):
+    if general:
         feats = _general(feats, sq, sk)
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
     grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, feats.sinks) if x is not None)
