@@ -368,7 +368,7 @@ def _bwd_launches(do, q, k, v, o, lse, delta, dq, dk, dvv, scale, precision, cfg
 def _bwd_key(q, k, v, o, precision, cfg: _Cfg, kernels, feats: _Features):
     """What the backward's compiles depend on (more finely than Triton's own keys: exact shapes). Its
     tensors are dense (_dense), so their shapes give their strides and alignment."""
-    return (id(kernels), q.device, precision, tuple(cfg.dkdv), tuple(cfg.dq), feats.causal, feats.left,
+    return (id(kernels), q.device, precision, tuple(cfg.dkdv), tuple(cfg.dq), feats.general, feats.causal, feats.left,
             feats.softcap > 0, None if feats.slopes is None else feats.slopes.ndim,
             *((x.dtype, tuple(x.shape)) for x in (q, k, v, o)))
 
