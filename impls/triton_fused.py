@@ -27,7 +27,8 @@ block_q=None, block_k=None, precision="ieee")``
   default for the device, dtype and head dim. On a GPU, before compiling, a tile whose shared memory
   would exceed 227 KiB is lowered (pipeline stages first, then the larger block, halving), and
   float32 tiles are capped at BLOCK_M * BLOCK_N * D_PAD <= 2**17 (the IEEE FMA path compiles for
-  minutes beyond that: 128 x 128 x 256 took 10 minutes); results do not depend on the tile sizes.
+  minutes beyond that: 128 x 128 x 256 took 10 minutes; 2**15 in the general build of small calls,
+  GENERAL_SCORES); results do not depend on the tile sizes.
   Under the interpreter the pinned sizes are used as given.
 - deterministic: no atomics; for GQA the dK/dV program loops over the group's query heads.
 

@@ -14,7 +14,8 @@ Optional features, each a constexpr flag so that the plain kernel compiles exact
 - HAS_SINKS: one float32 logit per query head (SINKS + h) joins each row's softmax denominator.
 
 ONE_LOOP (constexpr, default off): every tile runs through the masked loop instead of the band's cut
-tiles alone. The launcher sets it for IEEE float32, whose dots run on the FMA units and cost far more
+tiles alone. The launcher sets it for the general build of small calls (triton_fused.GENERAL_SCORES) and
+for IEEE float32, whose dots run on the FMA units and cost far more
 than the masks: one inlined loop body instead of two halves the code Triton compiles (at D = 128 the
 dK/dV kernel took 7-15 s to compile on a loaded H100), at about the same speed (on an H200: forward
 0.91-1.06x, forward + backward 0.98-1.01x). Both builds compute the same formula, but on a GPU their
@@ -37,6 +38,8 @@ Conventions shared by every kernel:
 - LSE is stored in natural log (float32); a row that sees no key stores O = 0, LSE = -inf;
 - no atomics: every output element is written by exactly one program.
 """
+import inspect
+
 import triton
 import triton.language as tl
 
@@ -529,7 +532,6 @@ def _unspecialized(kernel):
     alignment): one compile serves every shape, layout and alignment of a (dtype, tiles, flags)
     combination. triton_fused runs its general build (small calls, GENERAL_SCORES) on these; at those
     sizes a launch costs more than the loads that specialization would have vectorized."""
-    import inspect
     names = [p.name for p in inspect.signature(kernel.fn).parameters.values()
              if p.annotation is not tl.constexpr and p.default is not None]
     return triton.jit(do_not_specialize=names, do_not_specialize_on_alignment=names)(kernel.fn)
