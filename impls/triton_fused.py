@@ -252,12 +252,13 @@ def _pads(d, dv, feats: _Features) -> dict:
 # every tile through the masked loop, the head dims' columns masked, and no integer or pointer
 # specialized (triton_kernels._unspecialized). A run of many small shapes (a test suite's, a server's)
 # then compiles each of those once instead of once per causal flag, window edge, exact or padded head
-# dim, and 16-divisible or unit stride, length or head count. Larger calls keep the specialized build,
-# and so does IEEE float32 past D_PAD = 64: its FMA-path tiles at D_PAD = 128 need the specialized,
-# vectorized loads (general, its forward + backward ran 1.8x slower at 2^17 score entries and 3.8-5x at
-# 2^21 on an H100, where at D_PAD = 64 and in bfloat16 the two builds took the same time). Under the
-# interpreter every call takes the specialized build unless asked (general=True): it is the one the
-# CPU lane and the mutants test, and tests/test_triton_band.py tests the general one.
+# dim, and 16-divisible or unit stride, length or head count. Larger calls keep the specialized build.
+# IEEE float32 is in it too, on tiles capped at GENERAL_FP32_WORK: at D_PAD = 128 (16 x 16 tiles) an
+# H100 compiled its three kernels in 4.7 s, where the specialized build (32 x 32) took 20 s for six, three
+# per causal flag, and its forward + backward ran as fast at 2^17 to 2^20 score entries (about 1 ms,
+# host-bound; docs/gpu-lane.md, eighth session). Under the interpreter every call takes the specialized
+# build unless asked (general=True): it is the one the CPU lane and the mutants test, and
+# tests/test_triton_band.py tests the general one.
 GENERAL_SCORES = 0 if INTERPRET else 1 << 20
 
 
