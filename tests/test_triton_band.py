@@ -42,7 +42,8 @@ def test_a_band_without_a_right_edge_gives_full_attention_forward_and_backward(l
 
 @pytest.mark.parametrize("causal, window, d", [
     (False, None, 16), (False, None, 5), ("top_left", None, 16), ("bottom_right", None, 5),
-    (False, (5, -1), 16), (False, (3, 2), 5), ("top_left", (4, 9), 16), ("bottom_right", (6, -1), 16)])
+    (False, (5, -1), 16), (False, (3, 2), 5), ("top_left", (4, 9), 16), ("bottom_right", (6, -1), 16),
+    ("bottom_right", None, 96)])  # D_PAD 128: float32 there takes the general build on a GPU too
 def test_the_general_build_gives_the_specialized_builds_results(causal, window, d):
     """Small calls on a GPU run the general build (tf.GENERAL_SCORES): the band always on, one masked loop,
     the head dims' columns masked. Both edges and the padding left off must change nothing."""
