@@ -165,6 +165,28 @@ def summarize(runs, out: Path, night: int):
         lines += [f"  failed ({impl}, {arm}): {t}" for t in p["failures"]]
     (out / f"speed-night{night + 1}.json").write_text(json.dumps({f"{i} {a}": p for (i, a), p in pairs.items()},
                                                                  indent=1))
+    return lines, pairs
+
+
+def overall(nights):
+    """The speed-ups over every night at once (``nights``: summarize's pairs, one dict per night): the
+    old tree's rate moves with its draws from night to night, so one night's ratio is a noisy measure."""
+    total = {}
+    for pairs in nights:
+        for key, p in pairs.items():
+            t = total.setdefault(key, dict(examples=0, seconds=0.0, span=0.0))
+            for name in t:
+                t[name] += p[name]
+    lines = []
+    for impl in IMPLS:
+        now = total.get((impl, "now"))
+        for base in ("before", "then"):
+            old = total.get((impl, base))
+            if old and now and old["examples"] and old["span"]:
+                rate = now["examples"] / now["seconds"] / (old["examples"] / old["seconds"])
+                busy = now["examples"] / now["span"] / (old["examples"] / old["span"])
+                lines.append(f"{impl}, all {len(nights)} nights: now {rate:.1f}x the examples per second of {base} "
+                             f"({busy:.1f}x per second busy; {now['examples']} examples against {old['examples']})")
     return lines
 
 
@@ -189,7 +211,7 @@ def main():
             ap.error(f"--then {args.then}: not a flashcheck checkout (no properties/test_forward.py)")
     arms = ("then" if args.then else "before", "now")
     args.out.mkdir(parents=True, exist_ok=True)
-    lines = []
+    lines, nights = [], []
     with tempfile.TemporaryDirectory(prefix="lane-speed-") as tmp:
         if args.caches is not None:  # kept for a later invocation's --first-night
             args.caches.mkdir(parents=True, exist_ok=True)
@@ -199,9 +221,13 @@ def main():
             runs = [launch(impl, spec, arm, h, files, args, args.out, Path(tmp), night)
                     for impl, spec in IMPLS.items() for arm in arms for h, files in enumerate(HALVES)]
             wait(runs, args.window)
-            tonight = summarize(runs, args.out, night)
+            tonight, pairs = summarize(runs, args.out, night)
             lines += tonight
+            nights.append(pairs)
             print("\n".join(tonight), flush=True)
+        if len(nights) > 1:
+            lines += overall(nights)
+            print("\n".join(overall(nights)), flush=True)
     with open(args.out / "speed.txt", "a") as f:  # a later --first-night adds its nights
         f.write("\n".join(lines) + "\n")
 

@@ -1,0 +1,26 @@
+"""bench/gpu_lane_speed.py's speed-up over several nights: pooled examples over pooled seconds."""
+import importlib.util
+from pathlib import Path
+
+SPEC = importlib.util.spec_from_file_location("gpu_lane_speed", Path(__file__).parent.parent / "bench" / "gpu_lane_speed.py")
+speed = importlib.util.module_from_spec(SPEC)
+SPEC.loader.exec_module(speed)
+
+
+def night(then, now):
+    return {("triton-fused", "then"): dict(zip(("examples", "seconds", "span"), then)),
+            ("triton-fused", "now"): dict(zip(("examples", "seconds", "span"), now))}
+
+
+def test_the_speed_up_over_nights_pools_examples_and_seconds_not_ratios():
+    # per busy second the two nights give 4x and 2x, whose mean is 3x; pooled: (500 / 300) / (200 / 400)
+    lines = speed.overall([night((100, 100, 200), (400, 100, 200)), night((100, 100, 200), (100, 100, 100))])
+    assert len(lines) == 1, f"expected one line for triton-fused against then, got {lines}"
+    assert "now 2.5x the examples per second of then" in lines[0], f"expected 500 / 200 = 2.5x, got {lines[0]!r}"
+    assert "(3.3x per second busy" in lines[0], f"expected (500 / 300) / (200 / 400) = 3.3x, got {lines[0]!r}"
+    assert "500 examples against 200" in lines[0], lines[0]
+
+
+def test_a_single_pair_gives_no_speed_up():
+    lines = speed.overall([{("triton-fused", "now"): dict(examples=5, seconds=1.0, span=2.0)}])
+    assert lines == [], f"expected nothing without a baseline arm, got {lines}"
