@@ -23,7 +23,8 @@ pair: tests finished, examples, seconds, examples per second (and per second bus
 finishes its tests before the window sits idle for the rest of it), then where both halves' seconds went
 (Triton's JIT; the rest of the tests' own time, mostly the examples; outside any test: start-up and
 collection), the examples per second the pair would reach with every kernel already compiled, and
-failures; then the speed-ups. Logs and the JSON lines go to DIR. The whole run takes the window plus about a
+failures; then the speed-ups, and after the last of several nights the speed-up over all of them (their
+examples and seconds pooled: the old tree's rate moves with its draws). Logs and the JSON lines go to DIR. The whole run takes the window plus about a
 minute, per night.
 
 ``--nights 2`` runs it all again as a nightly job's next night would: a new --hypothesis-seed,
