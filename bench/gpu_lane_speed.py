@@ -24,8 +24,8 @@ finishes its tests before the window sits idle for the rest of it), then where b
 (Triton's JIT; the rest of the tests' own time, mostly the examples; outside any test: start-up and
 collection), the examples per second the pair would reach with every kernel already compiled, and
 failures; then the speed-ups, and after the last of several nights the speed-up over all of them (their
-examples and seconds pooled: the old tree's rate moves with its draws). Logs and the JSON lines go to DIR. The whole run takes the window plus about a
-minute, per night.
+examples and seconds pooled: the old tree's rate moves with its draws). Logs and the JSON lines go to
+DIR. The whole run takes the window plus about a minute, per night.
 
 ``--nights 2`` runs it all again as a nightly job's next night would: a new --hypothesis-seed,
 the same bucket seed (FLASHCHECK_BUCKET_SEED, fixed in the job) and each pair's Triton cache
