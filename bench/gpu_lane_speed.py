@@ -227,8 +227,9 @@ def main():
             nights.append(pairs)
             print("\n".join(tonight), flush=True)
         if len(nights) > 1:
-            lines += overall(nights)
-            print("\n".join(overall(nights)), flush=True)
+            pooled = overall(nights)
+            lines += pooled
+            print("\n".join(pooled), flush=True)
     with open(args.out / "speed.txt", "a") as f:  # a later --first-night adds its nights
         f.write("\n".join(lines) + "\n")
 

@@ -451,10 +451,9 @@ def flash_attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0
                                 or blk & (blk - 1) or blk > 256):
             raise ValueError(f"{WHO}: {label} must be a power of two in 16..256, got {blk!r}")
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    fp32 = dtype_name(q) == "float32"
     if general is None:
         general = b * hq * sq * sk <= GENERAL_SCORES
-    cfg = _config(block_q, block_k, _pad(max(d, dv)), configs, fp32=fp32)
+    cfg = _config(block_q, block_k, _pad(max(d, dv)), configs, fp32=dtype_name(q) == "float32")
     if not INTERPRET:
         cfg = _fit(cfg, q.element_size(), _pad(d), _pad(dv), GENERAL_FP32_WORK if general else FP32_WORK)
     feats = _features(q, k, align, window, softcap, alibi_slopes, sinks)

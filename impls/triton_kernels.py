@@ -14,12 +14,12 @@ Optional features, each a constexpr flag so that the plain kernel compiles exact
 - HAS_SINKS: one float32 logit per query head (SINKS + h) joins each row's softmax denominator.
 
 ONE_LOOP (constexpr, default off): every tile runs through the masked loop instead of the band's cut
-tiles alone. The launcher sets it for the general build of small calls (triton_fused.GENERAL_SCORES) and
-for IEEE float32, whose dots run on the FMA units and cost far more
-than the masks: one inlined loop body instead of two halves the code Triton compiles (at D = 128 the
-dK/dV kernel took 7-15 s to compile on a loaded H100), at about the same speed (on an H200: forward
-0.91-1.06x, forward + backward 0.98-1.01x). Both builds compute the same formula, but on a GPU their
-results differ in the last bits: the compiler orders the float32 operations of the two differently.
+tiles alone. The launcher sets it for the general build of small calls (triton_fused.GENERAL_SCORES)
+and for IEEE float32, whose dots run on the FMA units and cost far more than the masks: one inlined
+loop body instead of two halves the code Triton compiles (at D = 128 the dK/dV kernel took 7-15 s to
+compile on a loaded H100), at about the same speed (on an H200: forward 0.91-1.06x, forward + backward
+0.98-1.01x). Both builds compute the same formula, but on a GPU their results differ in the last bits:
+the compiler orders the float32 operations of the two differently.
 
 IS_VARLEN (constexpr, default off): a packed batch (flashcheck/contract/packed.py), q (Tq, Hq, D),
 k (Tk, Hkv, D), v (Tk, Hkv, Dv), the token strides in the sequence-stride slots (sqm, skn, ...), lse and
