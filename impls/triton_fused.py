@@ -227,10 +227,15 @@ class _Features:
         args = dict(LOFF=self.loff, DIAG=self.diag, cap2=self.softcap * K.LOG2E_F,
                     SLOPES=dummy if self.slopes is None else self.slopes,
                     ssb=0 if self.slopes is None or self.slopes.ndim == 1 else self.slopes.stride(0),
-                    CAUSAL=self.causal, LEFT=self.left, SOFTCAP=self.softcap > 0, ALIBI=self.slopes is not None)
+                    CAUSAL=self.causal, LEFT=self.left, SOFTCAP=self.softcap_flag(), ALIBI=self.slopes is not None)
         if with_sinks:
             args.update(SINKS=dummy if self.sinks is None else self.sinks, HAS_SINKS=self.sinks is not None)
         return args
+
+
+    def softcap_flag(self):
+        """The kernels' SOFTCAP: 2 in the general build, which takes a cap of 0 as none at run time."""
+        return 2 if self.general else self.softcap > 0
 
 
 def one_loop(q, precision, feats: _Features | None = None) -> dict:
@@ -247,11 +252,12 @@ def _pads(d, dv, feats: _Features) -> dict:
 
 # The general build. A call of at most GENERAL_SCORES score entries (B * Hq * Sq * Sk) runs in
 # microseconds, less than its launches, and compiling a build for it takes seconds. Such calls run one
-# build per dtype, tiles, padded head dims and feature: the band always on (a right edge at the last key
+# build per dtype, tiles, padded head dims and sinks: the band always on (a right edge at the last key
 # where there is no causal mask or window edge, a left edge before the first key where there is none),
-# every tile through the masked loop, the head dims' columns masked, and no integer or pointer
-# specialized (triton_kernels._unspecialized). A run of many small shapes (a test suite's, a server's)
-# then compiles each of those once instead of once per causal flag, window edge, exact or padded head
+# ALiBi always on (slopes of 0 where there are none), the softcap decided at run time (SOFTCAP = 2), every
+# tile through the masked loop, the head dims' columns masked, and no integer or pointer specialized
+# (triton_kernels._unspecialized). A run of many small shapes (a test suite's, a server's) then compiles
+# each of those once instead of once per causal flag, window edge, softcap, ALiBi, exact or padded head
 # dim, and 16-divisible or unit stride, length or head count. Larger calls keep the specialized build.
 # IEEE float32 is in it too, on tiles capped at GENERAL_FP32_WORK: at D_PAD = 128 (16 x 16 tiles) an
 # H100 compiled its three kernels in 4.7 s, where the specialized build (32 x 32) took 20 s for six, three
@@ -267,11 +273,14 @@ def _kernel(kernels, name, feats: _Features):
     return getattr(kernels, name + "_general") if feats.general else getattr(kernels, name)
 
 
-def _general(feats: _Features, sq, sk) -> _Features:
-    """``feats`` as the general build takes them: both edges of the band on, where they hide nothing."""
+def _general(feats: _Features, q, sk) -> _Features:
+    """``feats`` as the general build takes them: both edges of the band on, where they hide nothing,
+    and ALiBi on, with slopes of 0 where there are none (s - 0 * |i - j| is s exactly)."""
+    sq = q.shape[2]
     off = min(feats.off, sk) if feats.causal else sk  # j <= i + Sk: every key
     loff = feats.loff if feats.left else -sq  # j >= i - Sq: every key
-    return replace(feats, causal=True, off=off, left=True, loff=loff, general=True)
+    slopes = feats.slopes if feats.slopes is not None else torch.zeros(q.shape[1], device=q.device)
+    return replace(feats, causal=True, off=off, left=True, loff=loff, slopes=slopes, general=True)
 
 
 def _is_int(x):
@@ -371,7 +380,7 @@ def _bwd_key(q, k, v, o, precision, cfg: _Cfg, kernels, feats: _Features):
     """What the backward's compiles depend on (more finely than Triton's own keys: exact shapes). Its
     tensors are dense (_dense), so their shapes give their strides and alignment."""
     return (id(kernels), q.device, precision, tuple(cfg.dkdv), tuple(cfg.dq), feats.general, feats.causal, feats.left,
-            feats.softcap > 0, None if feats.slopes is None else feats.slopes.ndim,
+            feats.softcap_flag(), None if feats.slopes is None or feats.general else feats.slopes.ndim,
             *((x.dtype, tuple(x.shape)) for x in (q, k, v, o)))
 
 
@@ -458,7 +467,7 @@ def flash_attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0
         cfg = _fit(cfg, q.element_size(), _pad(d), _pad(dv), GENERAL_FP32_WORK if general else FP32_WORK)
     feats = _features(q, k, align, window, softcap, alibi_slopes, sinks)
     if general:
-        feats = _general(feats, sq, sk)
+        feats = _general(feats, q, sk)
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
     grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, feats.sinks) if x is not None)
     return _FlashAttention.apply(q, k, v, feats.sinks, align, scale, precision, cfg, kernels, feats, grad)

@@ -9,8 +9,10 @@ edge (Sk - Sq + right); LOFF is a window's left edge (Sk - Sq - left). Whole key
 band are skipped, tiles inside it run without masks, only the tiles it cuts are masked.
 
 Optional features, each a constexpr flag so that the plain kernel compiles exactly as without them:
-- SOFTCAP: the scaled logit s becomes c * tanh(s / c) (cap2 = c * log2(e));
-- ALIBI: logits get -slope_h * |i + DIAG - j| (DIAG = Sk - Sq), slopes float32 at SLOPES + b * ssb + h;
+- SOFTCAP: the scaled logit s becomes c * tanh(s / c) (cap2 = c * log2(e)); SOFTCAP = 2 (the general
+  build) takes cap2 = 0 as no cap at run time, so that one build serves calls with and without one;
+- ALIBI: logits get -slope_h * |i + DIAG - j| (DIAG = Sk - Sq), slopes float32 at SLOPES + b * ssb + h
+  (the general build always sets it, with slopes of 0 where there are none);
 - HAS_SINKS: one float32 logit per query head (SINKS + h) joins each row's softmax denominator.
 
 ONE_LOOP (constexpr, default off): every tile runs through the masked loop instead of the band's cut
@@ -132,8 +134,14 @@ def _logits(qk, qi, kj, qk_scale, cap2, slope2, DIAG, SOFTCAP: tl.constexpr, ALI
     """Base-2 logits of the dot products qk of query rows qi with key columns kj (index tensors that
     broadcast to qk's shape), and t = tanh(scaled logit / cap) for the softcap's derivative 1 - t^2."""
     if SOFTCAP:
-        t = _tanh(qk * (qk_scale / cap2))
-        s = t * cap2
+        cap = cap2
+        if SOFTCAP == 2:  # the general build decides at run time: cap2 = 0 is no cap (and 1 - t^2 = 1)
+            cap = tl.where(cap2 > 0, cap2, 1.0)
+        t = _tanh(qk * (qk_scale / cap))
+        s = t * cap
+        if SOFTCAP == 2:
+            s = tl.where(cap2 > 0, s, qk * qk_scale)
+            t = tl.where(cap2 > 0, t, 0.0)
     else:
         s = qk * qk_scale
         t = s  # unused

@@ -53,8 +53,8 @@ PATCHES = {
                            "\n    slope2 = _slope(SLOPES, ssb, b, h, ALIBI)\n    LOFF = LOFF + 1\n", 2),
                           ("        mid = 0\n    if LEFT:\n", "        mid = 0\n    LOFF = LOFF + 1\n    if LEFT:\n", 1)],
     # c tanh(q.k / c) scale instead of c tanh(q.k scale / c)
-    "softcap_before_scale": [("        t = _tanh(qk * (qk_scale / cap2))\n        s = t * cap2\n",
-                              "        t = _tanh(qk * (LOG2E / cap2))\n        s = t * (cap2 * qk_scale / LOG2E)\n", 1)],
+    "softcap_before_scale": [("        t = _tanh(qk * (qk_scale / cap))\n        s = t * cap\n",
+                              "        t = _tanh(qk * (LOG2E / cap))\n        s = t * (cap * qk_scale / LOG2E)\n", 1)],
     "softcap_no_tanh_grad": [("        if SOFTCAP:  # through the cap: d(c tanh(s / c))/ds = 1 - tanh^2\n",
                               "        if False:\n", 1),
                              ("        if SOFTCAP:  # through the cap (see _dkdv_inner)\n", "        if False:\n", 1)],

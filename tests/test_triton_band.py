@@ -40,20 +40,27 @@ def test_a_band_without_a_right_edge_gives_full_attention_forward_and_backward(l
         assert err < 1e-5, f"{name}: largest error {err:.3g} against float64 attention, expected < 1e-5"
 
 
-@pytest.mark.parametrize("causal, window, d", [
-    (False, None, 16), (False, None, 5), ("top_left", None, 16), ("bottom_right", None, 5),
-    (False, (5, -1), 16), (False, (3, 2), 5), ("top_left", (4, 9), 16), ("bottom_right", (6, -1), 16),
-    ("bottom_right", None, 96)])  # D_PAD 128: float32 there takes the general build on a GPU too
-def test_the_general_build_gives_the_specialized_builds_results(causal, window, d):
-    """Small calls on a GPU run the general build (tf.GENERAL_SCORES): the band always on, one masked loop,
-    the head dims' columns masked. Both edges and the padding left off must change nothing."""
+@pytest.mark.parametrize("causal, window, d, features", [
+    (False, None, 16, {}), (False, None, 5, {}), ("top_left", None, 16, {}), ("bottom_right", None, 5, {}),
+    (False, (5, -1), 16, {}), (False, (3, 2), 5, {}), ("top_left", (4, 9), 16, {}), ("bottom_right", (6, -1), 16, {}),
+    ("bottom_right", None, 96, {}),  # D_PAD 128: float32 there takes the general build on a GPU too
+    ("bottom_right", None, 16, dict(softcap=2.5)), (False, (4, 9), 5, dict(alibi=True)),
+    ("top_left", None, 16, dict(softcap=0.7, alibi=True))])
+def test_the_general_build_gives_the_specialized_builds_results(causal, window, d, features):
+    """Small calls on a GPU run the general build (tf.GENERAL_SCORES): the band always on, ALiBi always on,
+    the softcap decided at run time, one masked loop, the head dims' columns masked. Both edges, slopes
+    of 0, a cap of 0 and the padding left off must change nothing; a softcap or ALiBi asked for must act."""
     torch.manual_seed(1)
     q = torch.randn(1, 4, 33, d, requires_grad=True)  # GQA, several tiles each way, partial last tiles
     k, v = torch.randn(1, 2, 47, d, requires_grad=True), torch.randn(1, 2, 47, d, requires_grad=True)
     do = torch.randn(1, 4, 33, d)
+    features = dict(features)
+    if features.pop("alibi", False):
+        features["alibi_slopes"] = torch.tensor([0.5, 0.25, 0.125, 0.0625])
     out = {}
     for general in (False, True):
-        o, lse = tf.flash_attention(q, k, v, causal=causal, window=window, block_q=16, block_k=32, general=general)
+        o, lse = tf.flash_attention(q, k, v, causal=causal, window=window, block_q=16, block_k=32, general=general,
+                                    **features)
         out[general] = (o, lse, *torch.autograd.grad(o, (q, k, v), do))
     for name, a, b in zip(("O", "LSE", "dQ", "dK", "dV"), out[True], out[False]):
         finite = torch.isfinite(b)
