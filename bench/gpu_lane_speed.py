@@ -3,8 +3,10 @@
     python bench/gpu_lane_speed.py --out DIR [--window 240] [--seed 1] [--nights 2] [--then OLD_CHECKOUT]
 
 Starts eight pytest processes at once (the gpu lane's ``-n 8``, without needing pytest-xdist):
-triton-fused and examples/triton_autotuned.py, each in two arms, each arm over two halves of the
-kernel properties (test_forward + test_backward, test_invariance + test_features):
+triton-fused and examples/triton_autotuned.py, each in two arms, each arm two processes that share the
+kernel properties of test_forward, test_backward, test_invariance and test_features as xdist's workers
+would: both collect every test, and each test runs in whichever process reaches it first (a claim file
+per test), so that neither sits idle while the other has tests left:
 
 - ``before``: the lane as it first ran, every draw a new shape (FLASHCHECK_SHAPE_BUCKETS=0) and
   every process on all the cores (torch's default, as xdist's workers had it);
@@ -19,8 +21,8 @@ Every process runs the gpu profile from one --hypothesis-seed and one bucket see
 example database, and each (implementation, arm) pair its own empty Triton cache, so that no pair
 reuses another's compiles. A process still running after --window seconds is stopped; the
 examples it finished count (FLASHCHECK_TIMING_LOG, flashcheck/timing.py). Prints one row per
-pair: tests finished, examples, seconds, examples per second (and per second busy: a half that
-finishes its tests before the window sits idle for the rest of it), then where both halves' seconds went
+pair: tests finished, examples, seconds (to the window, or to the last test's end), examples per second
+(and per second busy: the processes' own run time), then where both processes' seconds went
 (Triton's JIT; the rest of the tests' own time, mostly the examples; outside any test: start-up and
 collection), the examples per second the pair would reach with every kernel already compiled, and
 failures; then the speed-ups, and after the last of several nights the speed-up over all of them (their
@@ -52,8 +54,26 @@ IMPLS = {"triton-fused": "triton-fused",
 ARMS = {"before": dict(buckets=0, threads=os.cpu_count() or 1),
         "then": dict(buckets=0, threads=os.cpu_count() or 1),
         "now": dict(buckets=1, threads=max(1, (os.cpu_count() or 1) // 8))}
-HALVES = (("properties/test_forward.py", "properties/test_backward.py"),
-          ("properties/test_invariance.py", "properties/test_features.py"))
+FILES = ("properties/test_forward.py", "properties/test_backward.py", "properties/test_invariance.py",
+         "properties/test_features.py")
+PROCESSES = 2  # per arm: the lane's eight workers, four pairs
+# Every arm's processes load this plug-in: a test runs in the first of them to claim it. (An earlier
+# version gave each process half of the files; the one whose half was cheaper sat idle, up to half the
+# window, and examples per second measured the split.)
+SHARE = """import hashlib
+import os
+
+import pytest
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    name = hashlib.sha256(item.nodeid.encode()).hexdigest()
+    try:
+        os.close(os.open(os.path.join(os.environ["FLASHCHECK_BENCH_CLAIMS"], name), os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        pytest.skip("the arm's other process runs this test")
+"""
 # The arm "then"'s plug-in: an older tree has no timing module of its own (or an older one).
 SHIM = """import importlib.util
 
@@ -66,12 +86,18 @@ def pytest_configure(config):
 """
 
 
-def launch(impl, spec, arm, half, files, args, out: Path, caches: Path, night: int):
-    name = f"{impl}-{arm}-part{half}-night{night}"
+def launch(impl, spec, arm, part, args, out: Path, caches: Path, night: int):
+    name = f"{impl}-{arm}-part{part}-night{night}"
+    claims = caches / f"claims-{impl}-{arm}-night{night}"
+    claims.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, FLASHCHECK_PROFILE=args.profile, FLASHCHECK_SHAPE_BUCKETS=str(ARMS[arm]["buckets"]),
                OMP_NUM_THREADS=str(ARMS[arm]["threads"]),
                FLASHCHECK_BUCKET_SEED=str(args.seed), FLASHCHECK_TIMING_LOG=str(out / f"{name}.jsonl"),
-               FLASHCHECK_DB=str(caches / f"db-{name}"), TRITON_CACHE_DIR=str(caches / f"triton-{impl}-{arm}"),
+               FLASHCHECK_DB=str(caches / f"db-{impl}-{arm}-night{night}"), FLASHCHECK_BENCH_CLAIMS=str(claims),
+               TRITON_CACHE_DIR=str(caches / f"triton-{impl}-{arm}"),
+               # bytecode of every module, kept as a CUDA runner's site-packages keep it: an image without
+               # it (read-only, or PYTHONDONTWRITEBYTECODE) compiled about 6 s of source in every process
+               PYTHONPYCACHEPREFIX=str(caches / "pycache"), PYTHONDONTWRITEBYTECODE="",
                # eight processes on one GPU: JAX, where a built-in loads it, takes only what it uses
                XLA_PYTHON_CLIENT_PREALLOCATE="false",
                # the lane's xdist workers never run flashcheck's first pass (one uncounted case of
@@ -83,11 +109,12 @@ def launch(impl, spec, arm, half, files, args, out: Path, caches: Path, night: i
                FLASHCHECK_ORDER_BY="0")
     env.pop("FLASHCHECK_IMPL", None)
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist", "-p", "no:randomly", "-q",
-           "--impl", spec, f"--hypothesis-seed={args.seed + night}", *files]
+           "-p", "flashcheck_bench_share", "--impl", spec, f"--hypothesis-seed={args.seed + night}", *FILES]
     cwd = ROOT
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(caches), env.get("PYTHONPATH")) if p)
     if arm == "then":  # the old tree first on the path; this tree's timing through the shim, its table off
         cwd = args.then
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(args.then), str(caches), env.get("PYTHONPATH")) if p)
+        env["PYTHONPATH"] = os.pathsep.join((str(args.then), env["PYTHONPATH"]))
         env["FLASHCHECK_TIMING"] = "0"
         cmd += ["-p", "flashcheck_then_timing"]
     log = open(out / f"{name}.log", "w")
@@ -126,7 +153,7 @@ def summarize(runs, out: Path, night: int):
         tests = [x for x in records if x["kind"] == "test"]
         p["examples"] += len(examples)
         p["tests"] += len(tests)
-        # the processes ran at once: the pair's time is that of its longer half
+        # the processes ran at once: the pair's time is that of its longer-running process
         p["seconds"] = max(p["seconds"], r["end"] - r["start"])
         p["span"] += r["end"] - r["start"]
         done = {t["test"] for t in tests}
@@ -137,7 +164,7 @@ def summarize(runs, out: Path, night: int):
         jit = sum(t["jit"] or 0.0 for t in tests) + sum(j for _, j in last.values())
         p["jit"] += jit
         p["in_tests"] += sum(t["wall"] for t in tests) + sum(w for w, _ in last.values())
-        # what this half would have taken with every kernel already compiled: the pair's is its longer half's
+        # what this process would have taken with every kernel already compiled: the pair's is the longer one's
         p["no_jit"] = max(p["no_jit"], r["end"] - r["start"] - jit)
         p["failed"] += sum(t["outcome"] == "failed" for t in tests)
         p.setdefault("failures", []).extend(t["test"] for t in tests if t["outcome"] == "failed")
@@ -147,15 +174,15 @@ def summarize(runs, out: Path, night: int):
              f"{'busy/s':>6} {'jit s':>7} {'other s':>7} {'rest s':>6} {'no-jit ex/s':>11} {'failed':>6}  stopped"]
     for (impl, arm), p in sorted(pairs.items()):
         p["rate"] = p["examples"] / p["seconds"] if p["seconds"] else 0.0
-        # a half that finishes its tests before the window idles for the rest of it, which ex/s counts:
-        # busy/s is the examples per second of the two halves' own run time, times two
-        p["busy_rate"] = 2 * p["examples"] / p["span"] if p["span"] else 0.0
-        # seconds of both halves: compiling, the rest of the tests' own time, outside any test (start-up)
+        # the examples per second of the processes' own run time, times their number: below ex/s only where
+        # one process ran out of tests before the other (at most one test's time, as with xdist)
+        p["busy_rate"] = PROCESSES * p["examples"] / p["span"] if p["span"] else 0.0
+        # seconds of both processes: compiling, the rest of the tests' own time, outside any test (start-up)
         other, rest = p["in_tests"] - p["jit"], p["span"] - p["in_tests"]
         ceiling = p["examples"] / p["no_jit"] if p["no_jit"] > 0 else 0.0
         lines.append(f"{impl:18} {arm:7} {p['tests']:5d} {p['examples']:8d} {p['seconds']:7.0f} "
                      f"{p['rate']:6.2f} {p['busy_rate']:6.2f} {p['jit']:7.0f} {other:7.0f} {rest:6.0f} {ceiling:11.2f} {p['failed']:6d}  "
-                     f"{p['stopped']} of 2 halves at the window")
+                     f"{p['stopped']} of {PROCESSES} processes at the window")
     for impl in IMPLS:
         for base in ("before", "then"):
             old, now = pairs.get((impl, base)), pairs.get((impl, "now"))
@@ -218,9 +245,10 @@ def main():
             args.caches.mkdir(parents=True, exist_ok=True)
             tmp = str(args.caches.resolve())
         (Path(tmp) / "flashcheck_then_timing.py").write_text(SHIM.format(path=str(ROOT / "flashcheck" / "timing.py")))
+        (Path(tmp) / "flashcheck_bench_share.py").write_text(SHARE)
         for night in range(args.first_night, args.first_night + args.nights):
-            runs = [launch(impl, spec, arm, h, files, args, args.out, Path(tmp), night)
-                    for impl, spec in IMPLS.items() for arm in arms for h, files in enumerate(HALVES)]
+            runs = [launch(impl, spec, arm, part, args, args.out, Path(tmp), night)
+                    for impl, spec in IMPLS.items() for arm in arms for part in range(PROCESSES)]
             wait(runs, args.window)
             tonight, pairs = summarize(runs, args.out, night)
             lines += tonight

@@ -1,5 +1,8 @@
 """bench/gpu_lane_speed.py's speed-up over several nights: pooled examples over pooled seconds."""
 import importlib.util
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 SPEC = importlib.util.spec_from_file_location("gpu_lane_speed", Path(__file__).parent.parent / "bench" / "gpu_lane_speed.py")
@@ -24,3 +27,17 @@ def test_the_speed_up_over_nights_pools_examples_and_seconds_not_ratios():
 def test_a_single_pair_gives_no_speed_up():
     lines = speed.overall([{("triton-fused", "now"): dict(examples=5, seconds=1.0, span=2.0)}])
     assert lines == [], f"expected nothing without a baseline arm, got {lines}"
+
+
+def test_the_share_plugin_runs_each_test_in_one_process_only(tmp_path):
+    """The arm's processes both collect every test; the one that claims a test first runs it, the other skips it."""
+    (tmp_path / "flashcheck_bench_share.py").write_text(speed.SHARE)
+    (tmp_path / "test_two.py").write_text("def test_a():\n    pass\n\n\ndef test_b():\n    pass\n")
+    (tmp_path / "claims").mkdir()
+    env = dict(os.environ, PYTHONPATH=str(tmp_path), FLASHCHECK_BENCH_CLAIMS=str(tmp_path / "claims"))
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", "-p", "no:flashcheck.plugin",
+           "-p", "flashcheck_bench_share", "-rs", "test_two.py"]
+    first, second = (subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True) for _ in range(2))
+    assert "2 passed" in first.stdout, f"expected the first process to run both tests, got:\n{first.stdout}"
+    assert "2 skipped" in second.stdout and "the arm's other process runs this test" in second.stdout, (
+        f"expected the second process to skip both claimed tests, got:\n{second.stdout}")
