@@ -169,6 +169,13 @@ def summarize(runs, out: Path, night: int):
         p["failed"] += sum(t["outcome"] == "failed" for t in tests)
         p.setdefault("failures", []).extend(t["test"] for t in tests if t["outcome"] == "failed")
         p["stopped"] += r["stopped"]
+        per_test = p.setdefault("per_test", {})  # test -> [examples, seconds]: the tests' own rates (matched)
+        for x in examples:
+            per_test.setdefault(x["test"].split("::")[-1], [0, 0.0])[0] += 1
+        for t in tests:
+            per_test.setdefault(t["test"].split("::")[-1], [0, 0.0])[1] += t["wall"]
+        for name, (w, _) in last.items():
+            per_test.setdefault(name.split("::")[-1], [0, 0.0])[1] += w
     lines = [f"night {night + 1}" + (" (each pair's Triton cache from the night before)" if night else " (empty caches)"),
              f"{'implementation':18} {'arm':7} {'tests':>5} {'examples':>8} {'seconds':>7} {'ex/s':>6} "
              f"{'busy/s':>6} {'jit s':>7} {'other s':>7} {'rest s':>6} {'no-jit ex/s':>11} {'failed':>6}  stopped"]
@@ -187,8 +194,10 @@ def summarize(runs, out: Path, night: int):
         for base in ("before", "then"):
             old, now = pairs.get((impl, base)), pairs.get((impl, "now"))
             if old and now and old["rate"]:
+                would, took, n = matched(old, now)
                 lines.append(f"{impl}: now {now['rate'] / old['rate']:.1f}x the examples per second of {base} "
-                             f"({now['busy_rate'] / old['busy_rate']:.1f}x per second busy)")
+                             f"({now['busy_rate'] / old['busy_rate']:.1f}x per second busy"
+                             + (f"; matched, {would / took:.1f}x on the {n} tests both ran)" if took else ")"))
     for (impl, arm), p in sorted(pairs.items()):
         lines += [f"  failed ({impl}, {arm}): {t}" for t in p["failures"]]
     (out / f"speed-night{night + 1}.json").write_text(json.dumps({f"{i} {a}": p for (i, a), p in pairs.items()},
@@ -196,15 +205,34 @@ def summarize(runs, out: Path, night: int):
     return lines, pairs
 
 
+def matched(old, now):
+    """(would, took, tests): over the tests both arms ran, the seconds the old arm would take for the new
+    arm's examples at its own rate per test, and the new arm's seconds. Examples per second in a window
+    also measure which tests each arm reached: the faster arm gets further, to tests whose examples may
+    be cheaper or dearer. Test by test, the two arms' rates are compared on the same work."""
+    would = took = 0.0
+    n = 0
+    for name, (ex, sec) in now.get("per_test", {}).items():
+        old_ex, old_sec = old.get("per_test", {}).get(name, (0, 0.0))
+        if ex and old_ex and sec > 0:
+            would, took, n = would + ex * old_sec / old_ex, took + sec, n + 1
+    return would, took, n
+
+
 def overall(nights):
     """The speed-ups over every night at once (``nights``: summarize's pairs, one dict per night): the
     old tree's rate moves with its draws from night to night, so one night's ratio is a noisy measure."""
-    total = {}
+    total, pooled = {}, {}
     for pairs in nights:
         for key, p in pairs.items():
             t = total.setdefault(key, dict(examples=0, seconds=0.0, span=0.0))
             for name in t:
                 t[name] += p[name]
+        for (impl, arm), old in pairs.items():
+            if arm != "now" and (impl, "now") in pairs:
+                would, took, _ = matched(old, pairs[impl, "now"])
+                both = pooled.setdefault((impl, arm), [0.0, 0.0])
+                both[0], both[1] = both[0] + would, both[1] + took
     lines = []
     for impl in IMPLS:
         now = total.get((impl, "now"))
@@ -213,8 +241,10 @@ def overall(nights):
             if old and now and old["examples"] and old["span"]:
                 rate = now["examples"] / now["seconds"] / (old["examples"] / old["seconds"])
                 busy = now["examples"] / now["span"] / (old["examples"] / old["span"])
+                would, took = pooled.get((impl, base), (0.0, 0.0))
                 lines.append(f"{impl}, all {len(nights)} nights: now {rate:.1f}x the examples per second of {base} "
-                             f"({busy:.1f}x per second busy; {now['examples']} examples against {old['examples']})")
+                             f"({busy:.1f}x per second busy" + (f"; matched, {would / took:.1f}x" if took else "")
+                             + f"; {now['examples']} examples against {old['examples']})")
     return lines
 
 

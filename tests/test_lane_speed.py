@@ -41,3 +41,13 @@ def test_the_share_plugin_runs_each_test_in_one_process_only(tmp_path):
     assert "2 passed" in first.stdout, f"expected the first process to run both tests, got:\n{first.stdout}"
     assert "2 skipped" in second.stdout and "the arm's other process runs this test" in second.stdout, (
         f"expected the second process to skip both claimed tests, got:\n{second.stdout}")
+
+
+def test_the_matched_speed_up_compares_rates_on_the_tests_both_arms_ran():
+    # then: test a at 1 example/s; now: a at 4 examples/s, and b, which then never reached (left out)
+    old = {"per_test": {"test_a[x]": [10, 10.0]}}
+    now = {"per_test": {"test_a[x]": [40, 10.0], "test_b[x]": [500, 10.0]}}
+    would, took, tests = speed.matched(old, now)
+    assert (would, took, tests) == (40.0, 10.0, 1), (
+        f"expected the old arm to need 40 s for now's 40 examples of test_a, against 10 s, on 1 test; got "
+        f"{would} s, {took} s, {tests} tests")
