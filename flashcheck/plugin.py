@@ -118,6 +118,7 @@ def pytest_configure(config):
                                 f"({here}); run pip install -e . in the checkout")
     _switch_triton_interpreter()
     _cache_autotuning()
+    _share_compiles()
     profile = _load_profile(config)
     devices.steal_work(config, profile)
     walls = None if given_order else timing.order_log(profile)
@@ -182,6 +183,14 @@ def _cache_autotuning():
     TRITON_CACHE_AUTOTUNING=0 keeps the benchmarks. The interpreter times nothing."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
+
+
+def _share_compiles():
+    """One compile of each Triton kernel across the lane's processes (flashcheck/compile_share.py), read
+    by Triton when it compiles; not under the interpreter, without flock (Windows), or where the run
+    names a cache manager of its own (TRITON_CACHE_MANAGER)."""
+    if os.environ.get("TRITON_INTERPRET") != "1" and sys.platform != "win32":
+        os.environ.setdefault("TRITON_CACHE_MANAGER", "flashcheck.compile_share:SharedCompiles")
 
 
 def _switch_triton_interpreter():
