@@ -35,7 +35,10 @@ class SharedCompiles(FileCacheManager):
             return group
         import fcntl
 
-        fd = os.open(os.path.join(self.cache_dir, "flashcheck-compiling.lock"), os.O_CREAT | os.O_RDWR, 0o644)
+        try:
+            fd = os.open(os.path.join(self.cache_dir, "flashcheck-compiling.lock"), os.O_CREAT | os.O_RDWR, 0o644)
+        except OSError:  # a cache folder that takes no lock file: Triton's own behaviour
+            return None
         deadline = time.monotonic() + WAIT
         while True:
             try:
@@ -46,6 +49,9 @@ class SharedCompiles(FileCacheManager):
                     os.close(fd)
                     return None  # compile it here too
                 time.sleep(POLL)
+            except OSError:  # no locks on this file system (some NFS): Triton's own behaviour
+                os.close(fd)
+                return None
         group = super().get_group(filename)
         if group is not None:  # the other compile stored it
             os.close(fd)

@@ -83,3 +83,14 @@ def test_the_plugin_names_the_shared_cache_manager_only_where_it_applies(monkeyp
     plugin._share_compiles()
     got = os.environ.get("TRITON_CACHE_MANAGER")
     assert got == want, f"expected TRITON_CACHE_MANAGER={want!r} with {env}, got {got!r}"
+
+
+def test_a_file_system_without_locks_compiles_as_triton_would(cache, monkeypatch):
+    import errno
+    import fcntl
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "no locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    assert compile_share.SharedCompiles(KEY).get_group(META) is None, "expected a plain miss where flock fails"
