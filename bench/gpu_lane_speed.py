@@ -17,9 +17,9 @@ per test), so that neither sits idle while the other has tests left:
   strategies, profiles and kernels are all the old ones; this tree's timing module counts its
   examples (loaded by file, through a two-line plug-in the script writes).
 
-Every process runs the gpu profile from one --hypothesis-seed and one bucket seed, with its own
-example database, and each (implementation, arm) pair its own empty Triton cache, so that no pair
-reuses another's compiles. A process still running after --window seconds is stopped; the
+Every process runs the gpu profile from one --hypothesis-seed and one bucket seed; each
+(implementation, arm) pair has its own example database per night and its own empty Triton cache, so
+that no pair reuses another's compiles, and every process keeps module bytecode in one shared folder. A process still running after --window seconds is stopped; the
 examples it finished count (FLASHCHECK_TIMING_LOG, flashcheck/timing.py). Prints one row per
 pair: tests finished, examples, seconds (to the window, or to the last test's end), examples per second
 (and per second busy: the processes' own run time), then where both processes' seconds went
