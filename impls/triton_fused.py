@@ -232,7 +232,6 @@ class _Features:
             args.update(SINKS=dummy if self.sinks is None else self.sinks, HAS_SINKS=self.sinks is not None)
         return args
 
-
     def softcap_flag(self):
         """The kernels' SOFTCAP: 2 in the general build, which takes a cap of 0 as none at run time."""
         return 2 if self.general else self.softcap > 0
